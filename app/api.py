@@ -1,0 +1,177 @@
+"""HTTP routes: thin functions over the store; errors are mapped in ``main``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
+
+from app import checksum
+from app.errors import AlreadyExists, BodyTooLarge, ClientGone, InvalidKey, InvalidRequest
+from app.keys import EntryKey, validate_dtype, validate_hash, validate_model
+from app.responses import EntryResponse
+from app.settings import Settings
+from app.store import Store
+
+MAX_EXISTS_HASHES = 1000
+ENTRY_PATH = "/ec/{model:path}/{dtype}/{hash}"
+ENTRY_DOC = (
+    "`model` may contain `/` (plain or `%2F`); `dtype` is a torch dtype name; `hash` is "
+    "vLLM's multimodal hash. The body is a single-tensor safetensors file."
+)
+
+
+def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
+    return store
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def entry_key(model: str, dtype: str, hash: str) -> EntryKey:
+    return EntryKey.parse(model, dtype, hash)
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+KeyDep = Annotated[EntryKey, Depends(entry_key)]
+
+router = APIRouter()
+
+
+class ExistsRequest(BaseModel):
+    hashes: list[str] = Field(max_length=MAX_EXISTS_HASHES)
+
+
+class ExistsResponse(BaseModel):
+    present: list[bool]
+
+
+class PutResponse(BaseModel):
+    created: bool
+    size: int
+    crc32c: str
+
+
+def _parse_crc(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return checksum.from_hex(value)
+    except ValueError:
+        raise InvalidRequest(
+            f"X-EC-CRC32C {value!r} is not 8 hex digits", part="checksum"
+        ) from None
+
+
+@router.get(ENTRY_PATH, summary="Read an entry", description=ENTRY_DOC,
+            response_class=Response, responses={404: {}, 503: {}})
+async def get_entry(
+    key: KeyDep,
+    store: StoreDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    body = await store.get(key)
+    if if_none_match is not None and body.info.etag in if_none_match:
+        return Response(status_code=304, headers={"ETag": body.info.etag})
+    return EntryResponse(body.info, body)
+
+
+@router.head(ENTRY_PATH, summary="Describe an entry", description=ENTRY_DOC,
+             response_class=Response, responses={404: {}, 503: {}})
+async def head_entry(key: KeyDep, store: StoreDep) -> Response:
+    return EntryResponse(await store.head(key))
+
+
+@router.put(ENTRY_PATH, summary="Store an entry (first writer wins)", description=ENTRY_DOC,
+            status_code=201, response_model=PutResponse,
+            responses={200: {"model": PutResponse}, 412: {}, 413: {}})
+async def put_entry(
+    key: KeyDep,
+    request: Request,
+    store: StoreDep,
+    settings: SettingsDep,
+    content_length: Annotated[int | None, Header()] = None,
+    if_none_match: Annotated[str | None, Header()] = None,
+    x_ec_crc32c: Annotated[str | None, Header()] = None,
+) -> Response:
+    expected_crc = _parse_crc(x_ec_crc32c)
+    # Decided before the body is read: with Expect: 100-continue it is never sent.
+    if content_length is not None and content_length > settings.max_body_bytes:
+        raise BodyTooLarge(
+            f"Content-Length {content_length} exceeds the {settings.max_body_bytes}-byte limit"
+        )
+    if if_none_match is not None and if_none_match.strip() == "*" and await store.exists(key):
+        raise AlreadyExists(f"entry {key} already exists")
+    try:
+        result = await store.put(
+            key, request.stream(), declared_length=content_length, expected_crc=expected_crc
+        )
+    except ClientDisconnect:
+        raise ClientGone("client disconnected before sending the whole body") from None
+    request.state.body_consumed = True
+    etag = f'"{checksum.to_hex(result.crc32c)}"'
+    return JSONResponse(
+        PutResponse(
+            created=result.created, size=result.size, crc32c=checksum.to_hex(result.crc32c)
+        ).model_dump(),
+        status_code=201 if result.created else 200,
+        headers={"ETag": etag, "X-EC-CRC32C": checksum.to_hex(result.crc32c)},
+    )
+
+
+@router.delete(ENTRY_PATH, summary="Remove an entry from every tier", status_code=204,
+               response_class=Response)
+async def delete_entry(key: KeyDep, store: StoreDep) -> Response:
+    await store.delete(key)
+    return Response(status_code=204)
+
+
+@router.post("/ec/{model:path}/{dtype}/_exists", summary="Batch existence check",
+             response_model=ExistsResponse)
+async def exists_many(
+    model: str, dtype: str, request_body: ExistsRequest, store: StoreDep
+) -> ExistsResponse:
+    validate_model(model)
+    validate_dtype(dtype)
+    for index, value in enumerate(request_body.hashes):
+        try:
+            validate_hash(value)
+        except InvalidKey as exc:
+            raise InvalidRequest(f"hashes[{index}]: {exc.message}", part="hashes") from None
+    keys = [EntryKey(model, dtype, value) for value in request_body.hashes]
+    return ExistsResponse(present=await store.exists_many(keys))
+
+
+@router.get("/healthz", summary="Liveness")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness: disk writable, S3 reachable when configured")
+async def readyz(store: StoreDep) -> JSONResponse:
+    checks = await store.readiness()
+    ready = all(result == "ok" for result in checks.values())
+    return JSONResponse(
+        {"status": "ready" if ready else "not ready", "checks": checks},
+        status_code=200 if ready else 503,
+    )
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/stats", summary="Summary for operators")
+async def stats(store: StoreDep) -> dict[str, Any]:
+    return store.stats()

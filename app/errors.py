@@ -1,0 +1,93 @@
+"""The server's error hierarchy; ``main.create_app`` maps it to HTTP in one place."""
+
+from __future__ import annotations
+
+
+class ECError(Exception):
+    """Base class: an HTTP status, a stable machine code and the part that was wrong."""
+
+    status_code = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, part: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.part = part
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidKey(ECError):
+    status_code = 400
+
+    def __init__(self, part: str, message: str) -> None:
+        super().__init__(message, part=part)
+        self.code = f"invalid_{part}"
+
+
+class InvalidBody(ECError):
+    status_code = 400
+    code = "invalid_body"
+
+    def __init__(self, message: str, *, part: str | None = "body") -> None:
+        super().__init__(message, part=part)
+
+
+class DtypeMismatch(InvalidBody):
+    code = "dtype_mismatch"
+
+
+class ChecksumMismatch(InvalidBody):
+    code = "checksum_mismatch"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, part="checksum")
+
+
+class InvalidRequest(ECError):
+    status_code = 400
+    code = "invalid_request"
+
+
+class NotFound(ECError):
+    status_code = 404
+    code = "not_found"
+
+
+class AlreadyExists(ECError):
+    status_code = 412
+    code = "already_exists"
+
+
+class BodyTooLarge(ECError):
+    status_code = 413
+    code = "body_too_large"
+
+
+class ClientGone(ECError):
+    """The client disconnected or sent less than it announced; nothing is stored."""
+
+    status_code = 400
+    code = "incomplete_body"
+
+
+class Unavailable(ECError):
+    """A tier needed to answer is unreachable: the answer is unknown, not absent."""
+
+    status_code = 503
+    code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class InsufficientStorage(ECError):
+    status_code = 507
+    code = "insufficient_storage"

@@ -1,0 +1,102 @@
+"""Validated cache keys: ``{model}/{dtype}/{hash}``.
+
+Validation is the only defence of the file system and the bucket against hostile
+paths, so it is strict and allow-list based: every accepted key maps to a file name
+and an object key that stay inside the cache's own directory and prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+from app.errors import InvalidKey
+
+MAX_MODEL_BYTES = 256
+MAX_HASH_CHARS = 256
+
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._@+\-]+")
+_HASH_RE = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
+
+#: torch dtype name -> (safetensors dtype code, item size in bytes)
+DTYPES: dict[str, tuple[str, int]] = {
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float64": ("F64", 8),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "int16": ("I16", 2),
+    "int32": ("I32", 4),
+    "int64": ("I64", 8),
+    "bool": ("BOOL", 1),
+}
+
+
+def validate_model(model: str) -> str:
+    if not model:
+        raise InvalidKey("model", "model is empty")
+    if len(model.encode("utf-8")) > MAX_MODEL_BYTES:
+        raise InvalidKey("model", f"model is longer than {MAX_MODEL_BYTES} bytes")
+    for segment in model.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidKey("model", f"model {model!r} has an empty, '.' or '..' segment")
+        if not _SEGMENT_RE.fullmatch(segment):
+            raise InvalidKey(
+                "model",
+                f"model segment {segment!r} may only use letters, digits and . _ - @ +",
+            )
+    return model
+
+
+def validate_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise InvalidKey("dtype", f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def validate_hash(value: str) -> str:
+    if not _HASH_RE.fullmatch(value):
+        raise InvalidKey(
+            "hash",
+            f"hash must be 1-{MAX_HASH_CHARS} characters of letters, digits and . _ : -",
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class EntryKey:
+    """One cache entry's identity; construct with :meth:`parse` to validate."""
+
+    model: str
+    dtype: str
+    hash: str
+
+    @classmethod
+    def parse(cls, model: str, dtype: str, hash: str) -> EntryKey:
+        return cls(validate_model(model), validate_dtype(dtype), validate_hash(hash))
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.dtype}/{self.hash}"
+
+    @property
+    def safetensors_dtype(self) -> str:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @cached_property
+    def digest(self) -> str:
+        """A fixed-length name for the disk tier (hashes may exceed NAME_MAX)."""
+        return hashlib.sha256(str(self).encode("utf-8")).hexdigest()
+
+    def object_key(self, prefix: str) -> str:
+        """The S3 key: ``{prefix}/{model}/{dtype}/{hash}.safetensors``."""
+        name = f"{self}.safetensors"
+        return f"{prefix}/{name}" if prefix else name

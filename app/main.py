@@ -1,0 +1,93 @@
+"""The application factory: settings in, a ready FastAPI app out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app import __version__
+from app.api import router
+from app.errors import ECError
+from app.metrics import Metrics, MetricsMiddleware
+from app.settings import Settings
+from app.store import Store
+from app.tiers.disk import DiskTier
+
+
+def _error(
+    request: Request, status: int, code: str, message: str, part: str | None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    headers = dict(headers or {})
+    # An error answered before a PUT body was read leaves unread bytes on the wire:
+    # close the connection rather than parse them as the next request.
+    if request.method in ("PUT", "POST") and not getattr(
+        request.state, "body_consumed", False
+    ):
+        headers["Connection"] = "close"
+    return JSONResponse(
+        {"error": code, "message": message, "part": part}, status_code=status, headers=headers
+    )
+
+
+async def _ec_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ECError)
+    if request.method == "PUT":
+        request.app.state.metrics.rejected_puts.labels(exc.code).inc()
+    return _error(request, exc.status_code, exc.code, exc.message, exc.part, exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    part = location[0] if location else None
+    message = f"{'.'.join(location) or 'request'}: {first.get('msg', 'invalid request')}"
+    return _error(request, 400, "invalid_request", message, part)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return _error(
+        request, exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
+        None, dict(exc.headers or {}),
+    )
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; tiers are created here and started by the lifespan."""
+    settings = settings or Settings()
+    metrics = Metrics()
+    disk = DiskTier(settings.data_dir, settings.disk_max_bytes)
+    metrics.watch_disk(disk.stats)
+    store = Store(settings, disk, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await store.start()
+        try:
+            yield
+        finally:
+            await store.stop()
+
+    app = FastAPI(
+        title="ec-cache",
+        version=__version__,
+        summary="Shared cache for multimodal encoder outputs",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.store = store
+    app.include_router(router)
+    app.add_exception_handler(ECError, _ec_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,1 @@
+"""Storage tiers: each a small module behind a narrow interface (see ``base``)."""

@@ -1,0 +1,44 @@
+"""What every tier hands back to the store: an entry's description and its body."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from app.checksum import to_hex
+from app.safetensors_format import TensorHeader
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What ``HEAD`` shows: enough to describe an entry without its bytes."""
+
+    size: int
+    crc32c: int
+    header: TensorHeader
+    tier: str
+
+    @property
+    def etag(self) -> str:
+        return f'"{to_hex(self.crc32c)}"'
+
+    def http_headers(self) -> dict[str, str]:
+        return {
+            "Content-Length": str(self.size),
+            "Content-Type": "application/octet-stream",
+            "ETag": self.etag,
+            "X-EC-CRC32C": to_hex(self.crc32c),
+            "X-EC-Dtype": self.header.dtype,
+            "X-EC-Shape": self.header.shape_text,
+            "X-EC-Data-Offset": str(self.header.data_offset),
+            "X-EC-Tier": self.tier,
+        }
+
+
+@dataclass(frozen=True)
+class EntryBody:
+    """An entry ready to send: the whole body in one buffer, or a stream of chunks."""
+
+    info: EntryInfo
+    buffer: memoryview | None = None
+    chunks: AsyncIterator[bytes] | None = None

@@ -1,0 +1,360 @@
+"""The disk tier: a bytes-bounded LRU of committed files under one directory.
+
+Layout (the name is a digest of the key because hashes may exceed NAME_MAX)::
+
+    {data_dir}/objects/{digest[:2]}/{digest}.{crc32c hex}.safetensors
+    {data_dir}/tmp/        in-flight writes, removed at start-up
+
+Writes go to ``tmp/`` and are renamed into ``objects/`` after ``fsync``: a crash
+never leaves a partial entry and readers never see a half-written file. Committed
+files are immutable; each is served by ``mmap`` and its CRC32C re-verified whenever
+its (inode, size, mtime, ctime) changes, so bytes changed on disk are caught and the
+entry dropped. The index lives in memory and is rebuilt from file names at start-up.
+All methods are synchronous and thread-safe; the store runs slow ones in threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.checksum import crc32c, to_hex
+from app.errors import ECError, InsufficientStorage
+from app.keys import EntryKey
+from app.safetensors_format import TensorHeader, validate_body
+from app.tiers.base import EntryBody, EntryInfo
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{8})\.safetensors$")
+_Signature = tuple[int, int, int, int]
+
+
+def _signature(st: os.stat_result) -> _Signature:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass
+class _Entry:
+    path: Path
+    size: int
+    crc32c: int
+    # Set once the file's bytes were checked against crc32c; stale if the file changed.
+    verified: _Signature | None = None
+    header: TensorHeader | None = None
+
+
+@dataclass
+class DiskStats:
+    entries: int
+    used_bytes: int
+    max_bytes: int
+    evictions: int
+    evicted_bytes: int
+    corrupt_removed: int
+    pinned: int
+
+
+@dataclass
+class OpenedEntry:
+    """A committed file mapped into memory; ``verified`` says whether its CRC was checked."""
+
+    key: EntryKey
+    entry: _Entry
+    view: mmap.mmap
+    signature: _Signature
+    verified: bool
+
+    def body(self) -> EntryBody:
+        assert self.entry.header is not None
+        info = EntryInfo(self.entry.size, self.entry.crc32c, self.entry.header, "disk")
+        return EntryBody(info, buffer=memoryview(self.view))
+
+
+@dataclass
+class PendingWrite:
+    """A temp file being filled; ``commit`` publishes it, ``abort`` removes it."""
+
+    tier: DiskTier
+    key: EntryKey
+    fd: int
+    path: Path
+    written: int = 0
+    done: bool = field(default=False)
+
+    def write(self, chunks: Sequence[bytes | memoryview]) -> None:
+        views = [memoryview(chunk) for chunk in chunks]
+        while views:
+            n = os.writev(self.fd, views)
+            self.written += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+
+    def commit(self, crc: int, header: TensorHeader) -> bool:
+        """Publish the file; False (and nothing stored) when the key already exists."""
+        self.done = True
+        try:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            return self.tier._publish(self, crc, header)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            raise
+
+    def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class DiskTier:
+    """Bounded LRU of immutable safetensors files; see the module docstring."""
+
+    name = "disk"
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self._objects = root / "objects"
+        self._tmp = root / "tmp"
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # digest -> entry, LRU first
+        self._pinned: dict[str, int] = {}
+        self._used = 0
+        self._evictions = 0
+        self._evicted_bytes = 0
+        self._corrupt_removed = 0
+
+    # -- start-up -----------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Create the folders, drop stray temp files and load the index from disk."""
+        self._objects.mkdir(parents=True, exist_ok=True)
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        for stray in self._tmp.iterdir():
+            log.info("removing stray temp file %s", stray)
+            with contextlib.suppress(OSError):
+                stray.unlink()
+        found: list[tuple[int, str, _Entry]] = []
+        for shard in self._objects.iterdir():
+            for item in os.scandir(shard) if shard.is_dir() else ():
+                match = _NAME_RE.match(item.name)
+                st = item.stat(follow_symlinks=False)
+                if match is None or not item.is_file(follow_symlinks=False):
+                    log.warning("removing unexpected file %s", item.path)
+                    with contextlib.suppress(OSError):
+                        os.unlink(item.path)
+                    continue
+                entry = _Entry(Path(item.path), st.st_size, int(match.group(2), 16))
+                found.append((max(st.st_atime_ns, st.st_mtime_ns), match.group(1), entry))
+        found.sort(key=lambda item: item[0])
+        with self._lock:
+            self._index.clear()
+            self._used = 0
+            for _, digest, entry in found:
+                if digest in self._index:  # only possible after tampering: keep the first
+                    with contextlib.suppress(OSError):
+                        entry.path.unlink()
+                    continue
+                self._index[digest] = entry
+                self._used += entry.size
+            victims = self._evict_locked()
+        self._unlink(victims)
+        log.info("disk tier: %d entries, %d of %d bytes", len(self._index), self._used,
+                 self.max_bytes)
+
+    # -- reads --------------------------------------------------------------------
+
+    def contains(self, key: EntryKey) -> bool:
+        with self._lock:
+            return key.digest in self._index
+
+    def open(self, key: EntryKey) -> OpenedEntry | None:
+        """Map the entry's file; None on a miss. Marks the entry most recently used."""
+        with self._lock:
+            entry = self._index.get(key.digest)
+            if entry is None:
+                return None
+            self._index.move_to_end(key.digest)
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # evicted or deleted since the lookup
+            return None
+        try:
+            st = os.fstat(fd)
+            view = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) if st.st_size else None
+            if view is not None:  # start reading ahead a cold file before it is sent
+                view.madvise(mmap.MADV_WILLNEED)
+        finally:
+            os.close(fd)
+        signature = _signature(st)
+        if view is None:
+            self._drop_corrupt(key, entry, "file is empty")
+            return None
+        return OpenedEntry(key, entry, view, signature, entry.verified == signature)
+
+    def verify(self, opened: OpenedEntry) -> OpenedEntry | None:
+        """Check the mapped bytes against the stored CRC32C; drop the entry if they differ."""
+        entry = opened.entry
+        reason = None
+        if opened.signature[1] != entry.size:
+            reason = f"size is {opened.signature[1]}, expected {entry.size}"
+        elif crc32c(memoryview(opened.view)) != entry.crc32c:
+            reason = "CRC32C mismatch"
+        else:
+            try:
+                header = validate_body(memoryview(opened.view), opened.key.dtype)
+            except ECError as exc:
+                reason = f"not a valid entry: {exc.message}"
+        if reason is not None:
+            self._drop_corrupt(opened.key, entry, reason)
+            return None
+        entry.header = header
+        entry.verified = opened.signature
+        opened.verified = True
+        return opened
+
+    def info(self, key: EntryKey) -> EntryInfo | None:
+        """The entry's description if known without reading the file, else None."""
+        with self._lock:
+            entry = self._index.get(key.digest)
+        if entry is None or entry.header is None:
+            return None
+        return EntryInfo(entry.size, entry.crc32c, entry.header, self.name)
+
+    # -- writes -------------------------------------------------------------------
+
+    def begin_write(self, key: EntryKey, expected_size: int | None = None) -> PendingWrite:
+        if expected_size is not None and expected_size > self.max_bytes:
+            raise InsufficientStorage(
+                f"entry of {expected_size} bytes is larger than the disk tier "
+                f"({self.max_bytes} bytes)"
+            )
+        fd, name = tempfile.mkstemp(dir=self._tmp, prefix="put-", suffix=".part")
+        return PendingWrite(self, key, fd, Path(name))
+
+    def _publish(self, pending: PendingWrite, crc: int, header: TensorHeader) -> bool:
+        digest = pending.key.digest
+        if pending.written > self.max_bytes:
+            raise InsufficientStorage(
+                f"entry of {pending.written} bytes is larger than the disk tier "
+                f"({self.max_bytes} bytes)"
+            )
+        final = self._objects / digest[:2] / f"{digest}.{to_hex(crc)}.safetensors"
+        final.parent.mkdir(exist_ok=True)
+        with self._lock:
+            if digest in self._index:
+                created = False
+            else:
+                os.rename(pending.path, final)
+                signature = _signature(os.stat(final))
+                self._index[digest] = _Entry(final, pending.written, crc, signature, header)
+                self._used += pending.written
+                created = True
+            victims = self._evict_locked() if created else []
+        if not created:
+            pending.path.unlink()
+            return False
+        _fsync_dir(final.parent)
+        self._unlink(victims)
+        return True
+
+    def delete(self, key: EntryKey) -> bool:
+        with self._lock:
+            entry = self._index.pop(key.digest, None)
+            if entry is not None:
+                self._used -= entry.size
+        if entry is None:
+            return False
+        self._unlink([entry])
+        return True
+
+    # -- pinning: entries that must stay until another tier has them ---------------
+
+    def pin(self, key: EntryKey) -> None:
+        with self._lock:
+            self._pinned[key.digest] = self._pinned.get(key.digest, 0) + 1
+
+    def unpin(self, key: EntryKey) -> None:
+        with self._lock:
+            count = self._pinned.get(key.digest, 0) - 1
+            if count > 0:
+                self._pinned[key.digest] = count
+            else:
+                self._pinned.pop(key.digest, None)
+            victims = self._evict_locked()
+        self._unlink(victims)
+
+    # -- housekeeping -------------------------------------------------------------
+
+    def stats(self) -> DiskStats:
+        with self._lock:
+            return DiskStats(
+                entries=len(self._index),
+                used_bytes=self._used,
+                max_bytes=self.max_bytes,
+                evictions=self._evictions,
+                evicted_bytes=self._evicted_bytes,
+                corrupt_removed=self._corrupt_removed,
+                pinned=len(self._pinned),
+            )
+
+    def _evict_locked(self) -> list[_Entry]:
+        """Pop least recently used, unpinned entries until within the bound."""
+        victims: list[_Entry] = []
+        if self._used <= self.max_bytes:
+            return victims
+        for digest in list(self._index):
+            if self._used <= self.max_bytes:
+                break
+            if digest in self._pinned:
+                continue
+            entry = self._index.pop(digest)
+            self._used -= entry.size
+            self._evictions += 1
+            self._evicted_bytes += entry.size
+            victims.append(entry)
+        return victims
+
+    def _drop_corrupt(self, key: EntryKey, entry: _Entry, reason: str) -> None:
+        log.warning("disk entry %s is corrupt (%s): removing it", key, reason)
+        with self._lock:
+            if self._index.get(key.digest) is entry:
+                del self._index[key.digest]
+                self._used -= entry.size
+                self._corrupt_removed += 1
+            else:
+                return
+        self._unlink([entry])
+
+    @staticmethod
+    def _unlink(entries: Iterable[_Entry]) -> None:
+        # Readers that already mapped a file keep their pages: unlink is safe under them.
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                entry.path.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
