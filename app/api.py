@@ -72,8 +72,13 @@ def _parse_crc(value: str | None) -> int | None:
         ) from None
 
 
-@router.get(ENTRY_PATH, summary="Read an entry", description=ENTRY_DOC,
-            response_class=Response, responses={404: {}, 503: {}})
+@router.get(
+    ENTRY_PATH,
+    summary="Read an entry",
+    description=ENTRY_DOC,
+    response_class=Response,
+    responses={404: {}, 503: {}},
+)
 async def get_entry(
     key: KeyDep,
     store: StoreDep,
@@ -85,15 +90,25 @@ async def get_entry(
     return EntryResponse(body.info, body)
 
 
-@router.head(ENTRY_PATH, summary="Describe an entry", description=ENTRY_DOC,
-             response_class=Response, responses={404: {}, 503: {}})
+@router.head(
+    ENTRY_PATH,
+    summary="Describe an entry",
+    description=ENTRY_DOC,
+    response_class=Response,
+    responses={404: {}, 503: {}},
+)
 async def head_entry(key: KeyDep, store: StoreDep) -> Response:
     return EntryResponse(await store.head(key))
 
 
-@router.put(ENTRY_PATH, summary="Store an entry (first writer wins)", description=ENTRY_DOC,
-            status_code=201, response_model=PutResponse,
-            responses={200: {"model": PutResponse}, 412: {}, 413: {}})
+@router.put(
+    ENTRY_PATH,
+    summary="Store an entry (first writer wins)",
+    description=ENTRY_DOC,
+    status_code=201,
+    response_model=PutResponse,
+    responses={200: {"model": PutResponse}, 412: {}, 413: {}},
+)
 async def put_entry(
     key: KeyDep,
     request: Request,
@@ -128,15 +143,19 @@ async def put_entry(
     )
 
 
-@router.delete(ENTRY_PATH, summary="Remove an entry from every tier", status_code=204,
-               response_class=Response)
+@router.delete(
+    ENTRY_PATH, summary="Remove an entry from every tier", status_code=204, response_class=Response
+)
 async def delete_entry(key: KeyDep, store: StoreDep) -> Response:
     await store.delete(key)
     return Response(status_code=204)
 
 
-@router.post("/ec/{model:path}/{dtype}/_exists", summary="Batch existence check",
-             response_model=ExistsResponse)
+@router.post(
+    "/ec/{model:path}/{dtype}/_exists",
+    summary="Batch existence check",
+    response_model=ExistsResponse,
+)
 async def exists_many(
     model: str, dtype: str, request_body: ExistsRequest, store: StoreDep
 ) -> ExistsResponse:

@@ -20,15 +20,17 @@ from app.tiers.disk import DiskTier
 
 
 def _error(
-    request: Request, status: int, code: str, message: str, part: str | None,
+    request: Request,
+    status: int,
+    code: str,
+    message: str,
+    part: str | None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     headers = dict(headers or {})
     # An error answered before a PUT body was read leaves unread bytes on the wire:
     # close the connection rather than parse them as the next request.
-    if request.method in ("PUT", "POST") and not getattr(
-        request.state, "body_consumed", False
-    ):
+    if request.method in ("PUT", "POST") and not getattr(request.state, "body_consumed", False):
         headers["Connection"] = "close"
     return JSONResponse(
         {"error": code, "message": message, "part": part}, status_code=status, headers=headers
@@ -55,8 +57,12 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     codes = {404: "not_found", 405: "method_not_allowed"}
     return _error(
-        request, exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
-        None, dict(exc.headers or {}),
+        request,
+        exc.status_code,
+        codes.get(exc.status_code, "http_error"),
+        str(exc.detail),
+        None,
+        dict(exc.headers or {}),
     )
 
 

@@ -13,7 +13,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.tiers.disk import DiskStats
 
 _LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 
 
@@ -27,26 +41,39 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "ec_http_requests", "HTTP requests answered, by route, method and status.",
-            ["route", "method", "status"], registry=self.registry,
+            "ec_http_requests",
+            "HTTP requests answered, by route, method and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
         )
         self.request_seconds = Histogram(
             "ec_http_request_duration_seconds",
             "Time from request start to the last byte of the response.",
-            ["route", "method"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.lookups = Counter(
-            "ec_cache_lookups", "Entry reads (GET and HEAD) by the tier that answered or miss.",
-            ["result"], registry=self.registry,
+            "ec_cache_lookups",
+            "Entry reads (GET and HEAD) by the tier that answered or miss.",
+            ["result"],
+            registry=self.registry,
         )
         self.bytes_received = Counter(
-            "ec_put_bytes", "Body bytes of PUTs that were stored.", registry=self.registry,
+            "ec_put_bytes",
+            "Body bytes of PUTs that were stored.",
+            registry=self.registry,
         )
         self.bytes_sent = Counter(
-            "ec_get_bytes", "Body bytes of GETs that were answered.", registry=self.registry,
+            "ec_get_bytes",
+            "Body bytes of GETs that were answered.",
+            registry=self.registry,
         )
         self.rejected_puts = Counter(
-            "ec_put_rejected", "PUTs refused, by error code.", ["code"], registry=self.registry,
+            "ec_put_rejected",
+            "PUTs refused, by error code.",
+            ["code"],
+            registry=self.registry,
         )
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
@@ -66,11 +93,10 @@ class _DiskCollector(Collector):
             "ec_disk_pinned_entries", "Entries that may not be evicted yet.", value=s.pinned
         )
         yield CounterMetricFamily("ec_disk_evictions", "Entries evicted.", value=s.evictions)
+        yield CounterMetricFamily("ec_disk_evicted_bytes", "Bytes evicted.", value=s.evicted_bytes)
         yield CounterMetricFamily(
-            "ec_disk_evicted_bytes", "Bytes evicted.", value=s.evicted_bytes
-        )
-        yield CounterMetricFamily(
-            "ec_disk_corrupt_removed", "Entries dropped because their bytes changed on disk.",
+            "ec_disk_corrupt_removed",
+            "Entries dropped because their bytes changed on disk.",
             value=s.corrupt_removed,
         )
 

@@ -22,8 +22,7 @@ class EntryResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
-            {"type": "http.response.start", "status": self.status_code,
-             "headers": self.raw_headers}
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         body = self.entry
         if body is None or scope["method"] == "HEAD":

@@ -80,9 +80,7 @@ def parse_header(raw: bytes | bytearray | memoryview, expected_dtype: str) -> Te
     code = info["dtype"]
     if code != DTYPES[expected_dtype][0]:
         found = _NAME_BY_CODE.get(code, code) if isinstance(code, str) else repr(code)
-        raise DtypeMismatch(
-            f"body holds {found} but the path says {expected_dtype}", part="dtype"
-        )
+        raise DtypeMismatch(f"body holds {found} but the path says {expected_dtype}", part="dtype")
     shape = info["shape"]
     if not isinstance(shape, list) or not all(
         isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
@@ -159,8 +157,7 @@ class BodyValidator:
             raise InvalidBody(f"body ended after {self.received} bytes, inside its header")
         if self.received != self.header.total_length:
             raise InvalidBody(
-                f"body has {self.received} bytes but its header declares "
-                f"{self.header.total_length}"
+                f"body has {self.received} bytes but its header declares {self.header.total_length}"
             )
         if self._expected_crc is not None and self.crc != self._expected_crc:
             raise ChecksumMismatch(

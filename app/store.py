@@ -129,8 +129,10 @@ class Store:
     def stats(self) -> dict[str, Any]:
         """A JSON summary for operators (``GET /stats``, ``ec-cache stats``)."""
         lookups = {
-            result: int(self.metrics.registry.get_sample_value(
-                "ec_cache_lookups_total", {"result": result}) or 0)
+            result: int(
+                self.metrics.registry.get_sample_value("ec_cache_lookups_total", {"result": result})
+                or 0
+            )
             for result in ("disk", "s3", "miss")
         }
         return {

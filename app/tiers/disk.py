@@ -177,8 +177,9 @@ class DiskTier:
                 self._used += entry.size
             victims = self._evict_locked()
         self._unlink(victims)
-        log.info("disk tier: %d entries, %d of %d bytes", len(self._index), self._used,
-                 self.max_bytes)
+        log.info(
+            "disk tier: %d entries, %d of %d bytes", len(self._index), self._used, self.max_bytes
+        )
 
     # -- reads --------------------------------------------------------------------
 
