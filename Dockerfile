@@ -1,0 +1,92 @@
+# syntax=docker/dockerfile:1.7
+#
+# ec-cache server image: the `app` package (distribution `ec-cache-server`) and its
+# runtime dependencies only. No torch, no compiler, no client SDK.
+#
+#   docker build -t ec-cache:dev .
+#   docker run --rm -p 8080:8080 -v ec-data:/data ec-cache:dev
+#
+# Configuration is the server's own EC_* environment (see docs/deploy.md); the image
+# only changes EC_HOST (listen on all interfaces) and EC_DATA_DIR (/data, a volume).
+
+# Pinned by tag (Python 3.11 on Debian 12). To pin by digest as well, build with
+#   --build-arg PYTHON_IMAGE=python:3.11.13-slim-bookworm@sha256:<digest>
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+# --------------------------------------------------------------------------- builder
+FROM ${PYTHON_IMAGE} AS builder
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+
+WORKDIR /src
+
+# Only what building the server distribution needs (see .dockerignore).
+COPY pyproject.toml README.md ./
+COPY app ./app
+
+# One wheel for the server plus one per runtime dependency (prebuilt where PyPI has
+# them). Nothing from this stage but /wheels reaches the final image.
+RUN python -m pip wheel --wheel-dir /wheels .
+
+# ----------------------------------------------------------------------------- final
+FROM ${PYTHON_IMAGE}
+
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG UID=10001
+ARG GID=10001
+
+LABEL org.opencontainers.image.title="ec-cache" \
+      org.opencontainers.image.description="Shared HTTP cache for multimodal encoder outputs (disk tier + S3 persistence)" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.vendor="ec-cache" \
+      org.opencontainers.image.base.name="${PYTHON_IMAGE}"
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    EC_HOST=0.0.0.0 \
+    EC_PORT=8080 \
+    EC_DATA_DIR=/data
+
+# Fixed, unprivileged identity: the Helm chart's securityContext and fsGroup use the
+# same numbers, so volumes mounted at /data are writable without running as root.
+RUN groupadd --system --gid "${GID}" ec \
+ && useradd --system --uid "${UID}" --gid ec --no-create-home \
+        --home-dir /nonexistent --shell /usr/sbin/nologin ec \
+ && mkdir -p /data \
+ && chown "${UID}:${GID}" /data \
+ && chmod 0750 /data
+
+# Install from the builder's wheels only (no index); the wheels are bind-mounted,
+# so they never become a layer of this image.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    python -m pip install --no-cache-dir --no-index --find-links=/wheels \
+        /wheels/ec_cache_server-*.whl \
+ && python -c "import app, fastapi, uvicorn, boto3, awscrt, google_crc32c" \
+ && ! python -c "import torch" 2>/dev/null
+
+COPY --chmod=0755 deploy/docker/healthcheck.py /usr/local/bin/ec-cache-healthcheck
+
+USER ${UID}:${GID}
+WORKDIR /data
+VOLUME ["/data"]
+EXPOSE 8080
+
+# Liveness only (/healthz); readiness (/readyz) is for orchestrators that route traffic.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
+    CMD ["ec-cache-healthcheck"]
+
+# uvicorn installs its own SIGTERM/SIGINT handlers (graceful shutdown: stop accepting,
+# drain in-flight requests), so python can be PID 1 without an init shim; the server
+# starts no child processes to reap. Use `docker run --init` if you want tini anyway.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["python", "-m", "app"]
