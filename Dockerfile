@@ -30,8 +30,22 @@ COPY app ./app
 # them). Nothing from this stage but /wheels reaches the final image.
 RUN python -m pip wheel --wheel-dir /wheels .
 
+# ------------------------------------------------------------------------------ test
+# Not part of the server image: the S3 integration suite, run against MinIO by
+# `docker compose --profile test run --rm s3-tests` (see docker-compose.yml).
+# BuildKit builds this stage only when it is asked for (`--target test`).
+FROM builder AS test
+# The test extra's version ranges live in pyproject.toml (the project's own pins);
+# this stage is never shipped, so DL3013 (pin every pip package here) does not apply.
+# hadolint ignore=DL3013
+RUN python -m pip install --no-index --find-links=/wheels /wheels/ec_cache_server-*.whl \
+ && python -m pip install ".[test]"
+COPY tests ./tests
+ENTRYPOINT ["python", "-m", "pytest"]
+CMD ["-q", "tests/s3"]
+
 # ----------------------------------------------------------------------------- final
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE} AS runtime
 
 ARG VERSION=0.1.0
 ARG REVISION=unknown
