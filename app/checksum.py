@@ -1,18 +1,24 @@
-"""CRC32C (Castagnoli) helpers over the hardware-accelerated ``google-crc32c``."""
+"""CRC32C (Castagnoli) helpers over the hardware-accelerated ``crc32c`` package.
+
+``crc32c`` takes any buffer (memoryview, mmap) without copying and releases the GIL;
+``google-crc32c`` accepts only ``bytes``, which would force a copy of every mmap.
+"""
 
 from __future__ import annotations
 
 import base64
 
-import google_crc32c
+import crc32c as _crc32c
 
-if google_crc32c.implementation != "c":  # pragma: no cover - depends on the wheel
-    raise ImportError("google-crc32c has no C extension here; the pure-Python one is too slow")
+if not _crc32c.hardware_based:  # pragma: no cover - depends on the CPU
+    import logging
+
+    logging.getLogger(__name__).warning("CRC32C runs in software: no SSE4.2/ARMv8 CRC here")
 
 
 def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC32C of ``data``, continuing from ``value``."""
-    return int(google_crc32c.extend(value, data))
+    return int(_crc32c.crc32c(data, value))
 
 
 def to_hex(value: int) -> str:

@@ -200,7 +200,7 @@ class DiskTier:
             return None
         try:
             st = os.fstat(fd)
-            view = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) if st.st_size else None
+            view = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else None
             if view is not None:  # start reading ahead a cold file before it is sent
                 view.madvise(mmap.MADV_WILLNEED)
         finally:

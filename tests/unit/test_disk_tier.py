@@ -1,0 +1,190 @@
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from app.checksum import crc32c
+from app.errors import InsufficientStorage
+from app.keys import EntryKey
+from app.safetensors_format import validate_body
+from app.tiers.disk import DiskTier
+from tests.support.entries import body
+
+
+def _key(name: str) -> EntryKey:
+    return EntryKey.parse("model/x", "uint8", name)
+
+
+def _put(tier: DiskTier, name: str, data: bytes) -> bool:
+    key = _key(name)
+    pending = tier.begin_write(key, len(data))
+    try:
+        pending.write([data[: len(data) // 2], data[len(data) // 2 :]])
+        return pending.commit(crc32c(data), validate_body(data, "uint8"))
+    finally:
+        pending.abort()
+
+
+def _read(tier: DiskTier, name: str) -> bytes | None:
+    opened = tier.open(_key(name))
+    if opened is not None and not opened.verified:
+        opened = tier.verify(opened)
+    return None if opened is None else bytes(opened.view)
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> DiskTier:
+    disk = DiskTier(tmp_path, max_bytes=10_000)
+    disk.rebuild()
+    return disk
+
+
+def test_round_trip_and_first_writer_wins(tier: DiskTier) -> None:
+    first, second = body((100,), "U8", 1, seed=1), body((100,), "U8", 1, seed=2)
+    assert _put(tier, "a", first) is True
+    assert _put(tier, "a", second) is False
+    assert _read(tier, "a") == first
+    assert len(_files(tier.root / "objects")) == 1
+    assert _files(tier.root / "tmp") == []
+
+
+def test_lru_eviction_keeps_recently_used(tier: DiskTier) -> None:
+    entries = {name: body((2000,), "U8", 1, seed=i) for i, name in enumerate("abcd")}
+    for name in "abcd":
+        _put(tier, name, entries[name])
+    assert _read(tier, "a") == entries["a"]  # a is now most recently used
+    _put(tier, "e", body((2000,), "U8", 1, seed=9))  # 5 x ~2.1 KB > 10 KB: evict one
+    assert _read(tier, "b") is None
+    assert _read(tier, "a") == entries["a"]
+    stats = tier.stats()
+    assert stats.evictions == 1
+    assert stats.used_bytes <= stats.max_bytes
+    assert stats.used_bytes == sum(p.stat().st_size for p in _files(tier.root / "objects"))
+
+
+def test_pinned_entries_are_not_evicted(tier: DiskTier) -> None:
+    _put(tier, "pinned", body((4000,), "U8", 1))
+    tier.pin(_key("pinned"))
+    _put(tier, "b", body((4000,), "U8", 1, seed=1))
+    _put(tier, "c", body((4000,), "U8", 1, seed=2))
+    assert tier.contains(_key("pinned"))
+    assert not tier.contains(_key("b"))
+    tier.unpin(_key("pinned"))
+    _put(tier, "d", body((4000,), "U8", 1, seed=3))
+    assert not tier.contains(_key("pinned"))
+
+
+def test_entry_larger_than_the_tier_is_refused(tier: DiskTier) -> None:
+    with pytest.raises(InsufficientStorage):
+        tier.begin_write(_key("big"), 20_000)
+    with pytest.raises(InsufficientStorage):
+        _put(tier, "big", body((20_000,), "U8", 1))
+    assert _files(tier.root / "tmp") == []
+    assert tier.stats().entries == 0
+
+
+def test_abort_leaves_nothing(tier: DiskTier) -> None:
+    pending = tier.begin_write(_key("a"))
+    pending.write([b"partial"])
+    pending.abort()
+    assert _files(tier.root) == []
+    assert not tier.contains(_key("a"))
+
+
+def test_rebuild_restores_index_and_removes_strays(tmp_path: Path) -> None:
+    first = DiskTier(tmp_path, 10_000)
+    first.rebuild()
+    data = body((500,), "U8", 1)
+    _put(first, "kept", data)
+    (tmp_path / "tmp" / "put-crashed.part").write_bytes(b"half a body")
+    (tmp_path / "objects" / "zz").mkdir()
+    (tmp_path / "objects" / "zz" / "garbage").write_bytes(b"x")
+
+    second = DiskTier(tmp_path, 10_000)
+    second.rebuild()
+    assert _read(second, "kept") == data
+    assert second.stats().used_bytes == len(data)
+    assert _files(tmp_path / "tmp") == []
+    assert not (tmp_path / "objects" / "zz" / "garbage").exists()
+
+
+def test_rebuild_with_a_smaller_bound_evicts(tmp_path: Path) -> None:
+    first = DiskTier(tmp_path, 10_000)
+    first.rebuild()
+    for i in range(4):
+        _put(first, str(i), body((2000,), "U8", 1, seed=i))
+    second = DiskTier(tmp_path, 5_000)
+    second.rebuild()
+    assert second.stats().used_bytes <= 5_000
+    assert len(_files(tmp_path / "objects")) == second.stats().entries == 2
+
+
+def test_corrupted_file_is_a_miss_and_removed(tier: DiskTier) -> None:
+    data = body((500,), "U8", 1)
+    _put(tier, "a", data)
+    (path,) = _files(tier.root / "objects")
+    with path.open("r+b") as f:  # flip one data byte in place
+        f.seek(len(data) - 1)
+        f.write(bytes([data[-1] ^ 0xFF]))
+    assert _read(tier, "a") is None
+    assert not path.exists()
+    assert tier.stats().corrupt_removed == 1
+
+
+def test_truncated_file_is_a_miss(tier: DiskTier) -> None:
+    _put(tier, "a", body((500,), "U8", 1))
+    (path,) = _files(tier.root / "objects")
+    os.truncate(path, 0)
+    assert _read(tier, "a") is None
+    assert tier.stats().entries == 0
+
+
+def test_reader_keeps_its_bytes_when_the_entry_is_deleted(tier: DiskTier) -> None:
+    data = body((500,), "U8", 1)
+    _put(tier, "a", data)
+    opened = tier.open(_key("a"))
+    assert opened is not None
+    assert tier.delete(_key("a")) is True
+    assert bytes(opened.view) == data
+    assert tier.open(_key("a")) is None
+
+
+def test_concurrent_writers_readers_and_deleters(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 200_000)
+    tier.rebuild()
+    bodies = {f"k{i}": body((1000 + i,), "U8", 1, seed=i) for i in range(20)}
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for step in range(60):
+                name = f"k{(seed + step) % 20}"
+                action = (seed * 7 + step) % 4
+                if action == 0:
+                    tier.delete(_key(name))
+                elif action == 1:
+                    _put(tier, name, bodies[name])
+                else:
+                    got = _read(tier, name)
+                    assert got is None or got == bodies[name]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    on_disk = _files(tmp_path / "objects")
+    stats = tier.stats()
+    assert stats.entries == len(on_disk)
+    assert stats.used_bytes == sum(p.stat().st_size for p in on_disk)
+    assert _files(tmp_path / "tmp") == []
