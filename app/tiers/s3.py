@@ -915,6 +915,10 @@ class ObjectStore:
 
     async def close(self) -> None:
         """Release the thread pool and HTTP connections."""
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Synchronous :meth:`close` (for code outside an event loop)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
         for client in (self._client, self._probe_client):
             try:

@@ -1,0 +1,169 @@
+"""Fixtures for tests against a real S3 endpoint (see ``harness.py``).
+
+Default: a SeaweedFS ``weed mini`` per test session on free 127.0.0.1 ports. Set
+``EC_TEST_S3_ENDPOINT_URL`` (+ ``EC_TEST_S3_BUCKET``, ``EC_TEST_S3_REGION``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``) to run the same tests against another
+endpoint such as the MinIO of docker-compose; tests that stop the server then skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.tiers.s3 import ObjectStore, S3Config
+from tests.s3.harness import (
+    TEST_ACCESS_KEY,
+    TEST_SECRET_KEY,
+    CountingProxy,
+    S3Endpoint,
+    SeaweedFS,
+    endpoint_from_env,
+)
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """The S3 endpoint of this test session, with its bucket present."""
+    external = endpoint_from_env()
+    if external is not None:
+        external.ensure_bucket()
+        yield external
+        return
+    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), TEST_ACCESS_KEY, TEST_SECRET_KEY)
+    weed.start()
+    try:
+        endpoint = S3Endpoint(
+            endpoint_url=weed.endpoint_url,
+            bucket="ec-test",
+            region="us-east-1",
+            access_key=TEST_ACCESS_KEY,
+            secret_key=TEST_SECRET_KEY,
+            managed=weed,
+        )
+        endpoint.ensure_bucket()
+        yield endpoint
+    finally:
+        weed.stop()
+
+
+class S3Control:
+    """Stop and restart the managed S3 server mid-test (its data survives)."""
+
+    def __init__(self, weed: SeaweedFS) -> None:
+        self.weed = weed
+
+    def stop(self) -> None:
+        self.weed.stop()
+
+    def kill(self) -> None:
+        self.weed.kill()
+
+    def start(self) -> None:
+        self.weed.start()
+
+    @property
+    def running(self) -> bool:
+        return self.weed.running
+
+
+@pytest.fixture
+def s3_control(s3_endpoint: S3Endpoint) -> Iterator[S3Control]:
+    if s3_endpoint.managed is None:
+        pytest.skip(
+            "needs the managed SeaweedFS: cannot stop an external S3 endpoint "
+            "(EC_TEST_S3_ENDPOINT_URL is set)"
+        )
+    control = S3Control(s3_endpoint.managed)
+    try:
+        yield control
+    finally:
+        if not control.running:  # leave the server up for the next test
+            control.start()
+
+
+@pytest.fixture
+def s3_prefix(s3_endpoint: S3Endpoint) -> Iterator[str]:
+    """A key prefix of this test's own; its objects are removed afterwards."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    managed = s3_endpoint.managed
+    if managed is None or managed.running:
+        with contextlib.suppress(Exception):
+            s3_endpoint.delete_prefix(prefix + "/")
+
+
+@pytest.fixture
+def counting_proxy(s3_endpoint: S3Endpoint) -> Iterator[CountingProxy]:
+    """A request-counting proxy in front of the S3 endpoint."""
+    if not s3_endpoint.endpoint_url.startswith("http://"):
+        pytest.skip("the counting proxy forwards plain http:// endpoints only")
+    proxy = CountingProxy(s3_endpoint.endpoint_url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def base_config(endpoint: S3Endpoint, prefix: str) -> S3Config:
+    return S3Config(
+        bucket=endpoint.bucket,
+        endpoint_url=endpoint.endpoint_url,
+        prefix=prefix,
+        region=endpoint.region,
+        access_key_id=endpoint.access_key,
+        secret_access_key=endpoint.secret_key,
+        connect_timeout=2.0,
+        read_timeout=20.0,
+        max_attempts=2,
+        max_pool_connections=8,
+        multipart_threshold=8 * MiB,
+        multipart_part_size=5 * MiB,
+        multipart_concurrency=3,
+        get_chunk_size=1 * MiB,
+        unavailable_cooldown=0.5,
+    )
+
+
+StoreFactory = Callable[..., ObjectStore]
+
+
+@pytest.fixture
+def make_store(s3_endpoint: S3Endpoint, s3_prefix: str) -> Iterator[StoreFactory]:
+    """Build ObjectStores on the test endpoint; ``make_store(bucket=..., ...)`` overrides
+    any :class:`S3Config` field. All are closed afterwards."""
+    stores: list[ObjectStore] = []
+
+    def factory(**overrides: Any) -> ObjectStore:
+        store = ObjectStore(replace(base_config(s3_endpoint, s3_prefix), **overrides))
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.shutdown()
+
+
+@pytest.fixture
+def tmp_file(tmp_path: Path) -> Callable[[bytes], Path]:
+    counter = iter(range(1_000_000))
+
+    def write(data: bytes) -> Path:
+        path = tmp_path / f"body-{next(counter)}.bin"
+        path.write_bytes(data)
+        return path
+
+    return write
