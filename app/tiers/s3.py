@@ -39,9 +39,10 @@ from typing import Any, Literal, TypeVar
 
 import boto3
 import botocore.exceptions as bce
-import google_crc32c
 from botocore.config import Config
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from app.checksum import crc32c as crc32c_of
 
 log = logging.getLogger(__name__)
 
@@ -727,7 +728,7 @@ class ObjectStore:
                     data = os.pread(f.fileno(), length, offset)
                 if len(data) != length:
                     raise S3Error(f"local file {path} shrank while uploading {key}")
-                part_crc = google_crc32c.value(data)
+                part_crc = crc32c_of(data)
                 r = self._client.upload_part(
                     Bucket=self.bucket,
                     Key=key,

@@ -8,9 +8,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import google_crc32c
 import pytest
 
+from app.checksum import crc32c as crc
 from app.tiers.s3 import (
     METADATA_CRC_KEY,
     S3Error,
@@ -23,10 +23,6 @@ from tests.s3.conftest import MiB, S3Control, StoreFactory
 from tests.s3.harness import CountingProxy, S3Endpoint, free_ports
 
 pytestmark = pytest.mark.anyio
-
-
-def crc(data: bytes) -> int:
-    return int(google_crc32c.value(data))
 
 
 def sample(size: int, seed: int = 0) -> bytes:
