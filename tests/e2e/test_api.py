@@ -1,0 +1,402 @@
+"""The HTTP API against a real server process, driven over real sockets."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from tests.e2e import rawhttp
+from tests.support.entries import body, crc_hex
+from tests.support.server import ServerProcess
+
+MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+def entry_url(hash: str, dtype: str = "bfloat16", model: str = MODEL) -> str:
+    return f"/ec/{model}/{dtype}/{hash}"
+
+
+def files_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def assert_nothing_left(server: ServerProcess, hash_prefix: str = "") -> None:
+    """No temp file remains and the server still answers."""
+    deadline = time.monotonic() + 5
+    while files_under(server.data_dir / "tmp") and time.monotonic() < deadline:
+        time.sleep(0.05)  # a disconnect is noticed asynchronously
+    assert files_under(server.data_dir / "tmp") == []
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_round_trip_headers_and_first_writer_wins(client: httpx.Client) -> None:
+    tensor = torch.randn(576, 64).to(torch.bfloat16)
+    data = save({"embedding": tensor})
+    created = client.put(entry_url("rt1"), content=data, headers={"X-EC-CRC32C": crc_hex(data)})
+    assert created.status_code == 201
+    assert created.json() == {"created": True, "size": len(data), "crc32c": crc_hex(data)}
+
+    other = save({"embedding": torch.zeros(576, 64, dtype=torch.bfloat16)})
+    again = client.put(entry_url("rt1"), content=other)
+    assert again.status_code == 200
+    assert again.json()["created"] is False
+
+    got = client.get(entry_url("rt1"))
+    assert got.status_code == 200
+    assert got.content == data
+    assert torch.equal(load(got.content)["embedding"], tensor)
+    assert got.headers["content-type"] == "application/octet-stream"
+    assert got.headers["etag"] == f'"{crc_hex(data)}"'
+    assert got.headers["x-ec-crc32c"] == crc_hex(data)
+    assert got.headers["x-ec-dtype"] == "bfloat16"
+    assert got.headers["x-ec-shape"] == "576,64"
+    assert got.headers["x-ec-tier"] == "disk"
+    assert int(got.headers["x-ec-data-offset"]) == len(data) - tensor.numel() * 2
+
+    head = client.head(entry_url("rt1"))
+    assert head.status_code == 200
+    assert head.content == b""
+    assert head.headers["content-length"] == str(len(data))
+    assert head.headers["x-ec-shape"] == "576,64"
+
+    assert (
+        client.get(entry_url("rt1"), headers={"If-None-Match": got.headers["etag"]}).status_code
+        == 304
+    )
+
+
+def test_encoded_slash_names_the_same_model(client: httpx.Client, server: ServerProcess) -> None:
+    data = body((8,), "BF16", 2)
+    assert client.put(entry_url("slash"), content=data).status_code == 201
+    encoded = rawhttp.request(
+        server.port, "GET", "/ec/Qwen%2FQwen2.5-VL-7B-Instruct/bfloat16/slash"
+    )
+    assert encoded.status == 200
+    assert encoded.body == data
+
+
+def test_missing_entry(client: httpx.Client) -> None:
+    for method in ("GET", "HEAD"):
+        response = client.request(method, entry_url("absent"))
+        assert response.status_code == 404
+    assert client.get(entry_url("absent")).json()["error"] == "not_found"
+    assert client.delete(entry_url("absent")).status_code == 204
+
+
+def test_delete(client: httpx.Client) -> None:
+    data = body((8,), "BF16", 2)
+    client.put(entry_url("del"), content=data)
+    assert client.delete(entry_url("del")).status_code == 204
+    assert client.get(entry_url("del")).status_code == 404
+    assert client.put(entry_url("del"), content=data).status_code == 201
+
+
+HOSTILE_TARGETS = [
+    ("/ec/../../etc/passwd/float32/x", 400, "model"),
+    ("/ec/a/%2e%2e/%2e%2e/float32/x", 400, "model"),
+    ("/ec/a/..%2f..%2f..%2fetc/float32/x", 400, "model"),
+    ("/ec//etc/float32/x", 400, "model"),
+    ("/ec/%2Fetc/float32/x", 400, "model"),
+    ("/ec/a%00b/float32/x", 400, "model"),
+    ("/ec/a/float32/x%00y", 400, "hash"),
+    ("/ec/a/float32/" + "h" * 257, 400, "hash"),
+    ("/ec/" + "m" * 257 + "/float32/x", 400, "model"),
+    ("/ec/a/float32/x%2F..%2F..%2Fy", 400, "model"),
+    ("/ec/a/torch.float32/x", 400, "dtype"),
+    ("/ec/a/float32/x%20y", 400, "hash"),
+    ("/ec/a/./float32/x", 400, "model"),
+    ("/ec/float32/x", 404, None),
+    ("/etc/passwd", 404, None),
+    ("/../../etc/passwd", 404, None),
+]
+
+
+@pytest.mark.parametrize(("target", "status", "part"), HOSTILE_TARGETS)
+def test_hostile_paths_are_rejected(
+    server: ServerProcess, target: str, status: int, part: str | None
+) -> None:
+    data = body((4,), "F32", 4)
+    before = files_under(server.data_dir)
+    for method in ("PUT", "GET", "HEAD"):
+        response = rawhttp.request(
+            server.port, method, target, body=data if method == "PUT" else b""
+        )
+        assert response.status == status, (method, target, response.body)
+        if method != "HEAD":
+            error = response.json()
+            assert error["part"] == part
+            assert error["message"]
+    assert files_under(server.data_dir) == before
+
+
+BAD_BODIES = [
+    ("bad_dtype", "/ec/m/float/x", body(), 400, "invalid_dtype"),
+    ("dtype_mismatch", "/ec/m/float16/x", body(code="BF16", itemsize=2), 400, "dtype_mismatch"),
+    (
+        "shape_mismatch",
+        "/ec/m/float32/x",
+        body(header={"t": {"dtype": "F32", "shape": [4, 8], "data_offsets": [0, 64]}}),
+        400,
+        "invalid_body",
+    ),
+    ("short_data", "/ec/m/float32/x", body()[:-4], 400, "invalid_body"),
+    (
+        "malformed_header",
+        "/ec/m/float32/x",
+        b"\x10" + b"\0" * 7 + b"{not json at all",
+        400,
+        "invalid_body",
+    ),
+    ("huge_header", "/ec/m/float32/x", b"\xff" * 8 + b"{}", 400, "invalid_body"),
+    (
+        "two_tensors",
+        "/ec/m/float32/x",
+        save({"a": torch.ones(2), "b": torch.ones(2)}),
+        400,
+        "invalid_body",
+    ),
+    ("empty", "/ec/m/float32/x", b"", 400, "invalid_body"),
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "data", "status", "code"),
+    [case[1:] for case in BAD_BODIES],
+    ids=[case[0] for case in BAD_BODIES],
+)
+def test_bad_bodies_are_rejected_and_leave_nothing(
+    server: ServerProcess, target: str, data: bytes, status: int, code: str
+) -> None:
+    response = rawhttp.request(server.port, "PUT", target, body=data)
+    assert response.status == status
+    assert response.json()["error"] == code
+    assert rawhttp.request(server.port, "GET", target).status in (400, 404)
+    assert_nothing_left(server)
+
+
+def test_wrong_checksum(server: ServerProcess, client: httpx.Client) -> None:
+    data = body()
+    wrong = f"{int(crc_hex(data), 16) ^ 1:08x}"
+    response = client.put(entry_url("crc", "float32"), content=data, headers={"X-EC-CRC32C": wrong})
+    assert response.status_code == 400
+    assert response.json()["error"] == "checksum_mismatch"
+    response = client.put(entry_url("crc", "float32"), content=data, headers={"X-EC-CRC32C": "xyz"})
+    assert response.status_code == 400
+    assert response.json()["part"] == "checksum"
+    assert client.get(entry_url("crc", "float32")).status_code == 404
+    assert_nothing_left(server)
+
+
+def test_body_over_the_maximum(server: ServerProcess) -> None:
+    # The module's server accepts at most 64 MiB.
+    huge = 65 * 1024 * 1024
+    response = rawhttp.request(
+        server.port, "PUT", "/ec/m/uint8/big", {"Content-Length": str(huge)}, send_body=False
+    )
+    assert response.status == 413
+    assert response.json()["error"] == "body_too_large"
+    assert response.headers.get("connection") == "close"
+
+    # Chunked, so no Content-Length: the header's declared size gives it away.
+    data = body((huge,), "U8", 1)
+    with httpx.Client(base_url=server.url) as http:
+        chunked = http.put(
+            "/ec/m/uint8/big",
+            content=iter([data[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]),
+        )
+    assert chunked.status_code == 413
+    assert_nothing_left(server)
+
+
+def test_truncated_body_and_disconnect_leave_nothing(server: ServerProcess) -> None:
+    data = body((1 << 20,), "U8", 1)
+    rawhttp.send_partial(server.port, "/ec/m/uint8/cut", len(data), data[: len(data) // 2])
+    rawhttp.send_partial(server.port, "/ec/m/uint8/cut", len(data), data[:5])
+    assert_nothing_left(server)
+    assert rawhttp.request(server.port, "GET", "/ec/m/uint8/cut").status == 404
+
+
+def test_if_none_match_answers_without_reading_the_body(server: ServerProcess) -> None:
+    data = body((1 << 20,), "U8", 1)
+    assert rawhttp.request(server.port, "PUT", "/ec/m/uint8/inm", body=data).status == 201
+    # Expect: 100-continue and no body sent: the answer must come anyway.
+    started = time.monotonic()
+    response = rawhttp.request(
+        server.port,
+        "PUT",
+        "/ec/m/uint8/inm",
+        {"Content-Length": str(len(data)), "If-None-Match": "*", "Expect": "100-continue"},
+        send_body=False,
+        timeout=5,
+    )
+    assert response.status == 412
+    assert response.json()["error"] == "already_exists"
+    assert time.monotonic() - started < 5  # it did not wait for a body that never came
+    # Absent key: If-None-Match: * stores normally.
+    fresh = rawhttp.request(server.port, "PUT", "/ec/m/uint8/inm2", {"If-None-Match": "*"}, data)
+    assert fresh.status == 201
+
+
+def test_concurrent_writers_of_one_key(server: ServerProcess) -> None:
+    bodies = [body((256, 256), "U8", 1, seed=i) for i in range(12)]
+
+    def put(data: bytes) -> tuple[int, bytes]:
+        response = httpx.put(f"{server.url}/ec/m/uint8/contended", content=data, timeout=30)
+        return response.status_code, data
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(put, bodies))
+    winners = [data for status, data in results if status == 201]
+    assert len(winners) == 1
+    assert sorted(status for status, _ in results) == [200] * 11 + [201]
+    assert httpx.get(f"{server.url}/ec/m/uint8/contended").content == winners[0]
+    assert_nothing_left(server)
+
+
+def test_concurrent_mixed_traffic_reads_back_exact_bytes(server: ServerProcess) -> None:
+    bodies = {f"mix{i}": body((64, 1024), "U8", 1, seed=100 + i) for i in range(16)}
+
+    def work(seed: int) -> list[str]:
+        problems = []
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for step in range(30):
+                name = f"mix{(seed + step) % 16}"
+                action = (seed + 3 * step) % 5
+                if action == 0:
+                    http.delete(f"/ec/m/uint8/{name}")
+                elif action == 1:
+                    status = http.put(f"/ec/m/uint8/{name}", content=bodies[name]).status_code
+                    if status not in (200, 201):
+                        problems.append(f"PUT {status}")
+                else:
+                    got = http.get(f"/ec/m/uint8/{name}")
+                    if got.status_code == 200 and got.content != bodies[name]:
+                        problems.append(f"{name}: wrong bytes")
+                    elif got.status_code not in (200, 404):
+                        problems.append(f"GET {got.status_code}")
+        return problems
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        problems = [p for result in pool.map(work, range(8)) for p in result]
+    assert problems == []
+    assert_nothing_left(server)
+
+
+def test_batch_exists(client: httpx.Client) -> None:
+    client.put(entry_url("ex1"), content=body((8,), "BF16", 2))
+    client.put(entry_url("ex3"), content=body((8,), "BF16", 2))
+    url = f"/ec/{MODEL}/bfloat16/_exists"
+    response = client.post(url, json={"hashes": ["ex1", "ex2", "ex3", "ex1"]})
+    assert response.json() == {"present": [True, False, True, True]}
+    assert client.post(url, json={"hashes": []}).json() == {"present": []}
+    many = client.post(url, json={"hashes": [f"h{i}" for i in range(1000)]})
+    assert many.json()["present"] == [False] * 1000
+    too_many = client.post(url, json={"hashes": [f"h{i}" for i in range(1001)]})
+    assert too_many.status_code == 400
+    assert too_many.json()["part"] == "hashes"
+    bad = client.post(url, json={"hashes": ["ok", "not/ok"]})
+    assert bad.status_code == 400
+    assert "hashes[1]" in bad.json()["message"]
+    assert client.post(url, content=b"{nope").status_code == 400
+    assert client.post(f"/ec/{MODEL}/float/_exists", json={"hashes": []}).json()["part"] == "dtype"
+
+
+def test_health_readiness_docs_and_stats(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"disk": "ok"}
+    spec = client.get("/openapi.json").json()
+    assert "/ec/{model}/{dtype}/{hash}" in spec["paths"]
+    assert client.get("/docs").status_code == 200
+    stats = client.get("/stats").json()
+    assert stats["disk"]["entries"] >= 0
+    assert stats["s3_configured"] is False
+
+
+def test_metrics_count_requests_hits_and_disk(client: httpx.Client) -> None:
+    data = body((8,), "BF16", 2)
+    client.put(entry_url("met"), content=data)
+    client.get(entry_url("met"))
+    client.get(entry_url("met-absent"))
+    text = client.get("/metrics").text
+    assert 'ec_http_requests_total{method="GET",route="entry",status="200"}' in text
+    assert 'ec_http_requests_total{method="GET",route="entry",status="404"}' in text
+    assert "ec_http_request_duration_seconds_bucket{" in text
+    assert 'ec_cache_lookups_total{result="disk"}' in text
+    assert 'ec_cache_lookups_total{result="miss"}' in text
+    for name in ("ec_disk_used_bytes", "ec_disk_max_bytes", "ec_disk_evictions_total"):
+        assert name in text
+    assert "met-absent" not in text  # keys never become label values
+
+
+def test_restart_with_a_populated_data_dir(fresh_server: ServerProcess) -> None:
+    fresh_server.start()
+    bodies = {f"r{i}": body((1000,), "U8", 1, seed=i) for i in range(20)}
+    for name, data in bodies.items():
+        assert httpx.put(f"{fresh_server.url}/ec/m/uint8/{name}", content=data).status_code == 201
+    fresh_server.stop()
+    (fresh_server.data_dir / "tmp" / "put-stray.part").write_bytes(b"left by a crash")
+    fresh_server.start()
+    for name, data in bodies.items():
+        assert httpx.get(f"{fresh_server.url}/ec/m/uint8/{name}").content == data
+    assert files_under(fresh_server.data_dir / "tmp") == []
+    assert httpx.get(f"{fresh_server.url}/stats").json()["disk"]["entries"] == 20
+
+
+def test_kill_mid_upload_leaves_no_partial_entry(fresh_server: ServerProcess) -> None:
+    fresh_server.start()
+    data = body((8 << 20,), "U8", 1)
+    sock = socket.create_connection(("127.0.0.1", fresh_server.port))
+    sock.sendall(
+        f"PUT /ec/m/uint8/killed HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+    )
+    sock.sendall(data[: 4 << 20])
+    deadline = time.monotonic() + 10
+    while not files_under(fresh_server.data_dir / "tmp") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    fresh_server.kill()
+    sock.close()
+    fresh_server.start()
+    assert httpx.get(f"{fresh_server.url}/ec/m/uint8/killed").status_code == 404
+    assert files_under(fresh_server.data_dir / "tmp") == []
+    assert files_under(fresh_server.data_dir / "objects") == []
+
+
+def test_corrupted_file_is_a_miss(fresh_server: ServerProcess) -> None:
+    fresh_server.start()
+    data = body((4096,), "U8", 1)
+    url = f"{fresh_server.url}/ec/m/uint8/rot"
+    assert httpx.put(url, content=data).status_code == 201
+    assert httpx.get(url).content == data
+    (path,) = files_under(fresh_server.data_dir / "objects")
+    with path.open("r+b") as f:
+        f.seek(len(data) - 10)
+        f.write(b"\xde\xad")
+    assert httpx.get(url).status_code == 404
+    assert not path.exists()
+    assert httpx.put(url, content=data).status_code == 201
+    assert httpx.get(url).content == data
+
+
+def test_eviction_over_http(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "d", tmp_path / "log", disk_max_bytes="1MiB") as srv:
+        bodies = [body((300_000,), "U8", 1, seed=i) for i in range(6)]
+        for i, data in enumerate(bodies):
+            assert httpx.put(f"{srv.url}/ec/m/uint8/e{i}", content=data).status_code == 201
+        present = [httpx.get(f"{srv.url}/ec/m/uint8/e{i}").status_code == 200 for i in range(6)]
+        assert present == [False, False, False, True, True, True]
+        stats = httpx.get(f"{srv.url}/stats").json()["disk"]
+        assert stats["evictions"] == 3
+        assert stats["used_bytes"] <= 1 << 20
+        too_big = body((2 << 20,), "U8", 1)
+        response = httpx.put(f"{srv.url}/ec/m/uint8/huge", content=too_big)
+        assert response.status_code == 507
+        assert response.json()["error"] == "insufficient_storage"
