@@ -60,6 +60,28 @@ class Settings(BaseSettings):
     s3_create_bucket: bool = False
     write_mode: WriteMode = WriteMode.WRITE_THROUGH
 
+    # S3 tuning (see app/tiers/s3.py). Credentials come from the standard AWS chain.
+    s3_connect_timeout: float = Field(default=3.0, gt=0)
+    s3_read_timeout: float = Field(default=30.0, gt=0)
+    s3_max_attempts: int = Field(default=3, ge=1, le=10)
+    s3_max_pool_connections: int = Field(default=32, ge=1, le=1024)
+    s3_multipart_threshold: ByteSize = Field(default=64 * 1024**2, ge=5 * 1024**2)
+    s3_multipart_part_size: ByteSize = Field(default=16 * 1024**2, ge=5 * 1024**2)
+    s3_multipart_concurrency: int = Field(default=4, ge=1, le=64)
+    s3_get_chunk_size: ByteSize = Field(default=4 * 1024**2, ge=64 * 1024)
+    #: After S3 failed as unreachable, answer 503 at once for this long (and advertise it
+    #: in Retry-After) instead of waiting for a timeout on every request.
+    s3_unavailable_cooldown: float = Field(default=2.0, gt=0, le=300)
+    s3_verify_tls: bool = True
+
+    # write-back: uploads journaled under {data_dir}/upload-queue, retried with backoff.
+    writeback_queue_max_entries: int = Field(default=10_000, ge=1)
+    #: 0 = half of EC_DISK_MAX_BYTES (queued entries are pinned on disk until uploaded).
+    writeback_queue_max_bytes: ByteSize = Field(default=0, ge=0)
+    writeback_workers: int = Field(default=4, ge=1, le=64)
+    writeback_retry_min: float = Field(default=1.0, gt=0)
+    writeback_retry_max: float = Field(default=60.0, gt=0)
+
     @field_validator("s3_endpoint_url", "s3_bucket", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
@@ -73,3 +95,7 @@ class Settings(BaseSettings):
     @property
     def s3_enabled(self) -> bool:
         return self.s3_endpoint_url is not None
+
+    @property
+    def writeback_max_bytes(self) -> int:
+        return self.writeback_queue_max_bytes or self.disk_max_bytes // 2
