@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import logging
+import logging.config
 import sys
 
 import uvicorn
 from pydantic import ValidationError
 
-from app.main import create_app
+from app.logs import logging_config
+from app.main import ConfigurationError, create_app
 from app.settings import Settings
 
 
@@ -16,7 +17,8 @@ def _explain(exc: ValidationError) -> str:
     lines = ["ec-cache: invalid configuration"]
     for error in exc.errors():
         name = "EC_" + "_".join(str(part) for part in error["loc"]).upper()
-        lines.append(f"  {name}={error.get('input')!r}: {error['msg']}")
+        shown = "<redacted>" if "TOKEN" in name else repr(error.get("input"))
+        lines.append(f"  {name}={shown}: {error['msg']}")
     return "\n".join(lines)
 
 
@@ -25,10 +27,12 @@ def main() -> None:
         settings = Settings()
     except ValidationError as exc:
         sys.exit(_explain(exc))
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_config = logging_config(settings)
+    logging.config.dictConfig(log_config)
+    try:
+        app = create_app(settings)
+    except ConfigurationError as exc:
+        sys.exit(f"ec-cache: invalid configuration\n  {exc}")
     backend = f"S3 {settings.s3_endpoint_url}" if settings.s3_enabled else "disk only"
     print(
         f"ec-cache on http://{settings.host}:{settings.port} "
@@ -36,13 +40,15 @@ def main() -> None:
         flush=True,
     )
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
         http="httptools",
-        log_level=settings.log_level.value,
+        log_config=log_config,
+        access_log=False,  # app.middleware writes access lines with request ids
         server_header=False,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
     )
 
 

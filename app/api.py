@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
@@ -12,7 +14,15 @@ from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
 from app import checksum
-from app.errors import AlreadyExists, BodyTooLarge, ClientGone, InvalidKey, InvalidRequest
+from app.auth import Authenticator, Principal, Scope
+from app.errors import (
+    AlreadyExists,
+    BodyTooLarge,
+    ClientGone,
+    InvalidKey,
+    InvalidRequest,
+    SlowClient,
+)
 from app.keys import EntryKey, validate_dtype, validate_hash, validate_model
 from app.responses import EntryResponse
 from app.settings import Settings
@@ -40,6 +50,39 @@ def entry_key(model: str, dtype: str, hash: str) -> EntryKey:
     return EntryKey.parse(model, dtype, hash)
 
 
+class Require:
+    """Dependency: the request's bearer token (or anonymous access) has ``scope``."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+
+    def __call__(self, request: Request) -> Principal:
+        authenticator: Authenticator = request.app.state.authenticator
+        return authenticator.authorize(request.headers.get("authorization"), self.scope)
+
+
+def metrics_access(request: Request) -> None:
+    if not request.app.state.settings.metrics_public:
+        Require(Scope.READ)(request)
+
+
+async def _with_idle_timeout(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
+    """Pass chunks through; raise ``SlowClient`` when none arrives for ``seconds``."""
+    iterator = aiter(chunks)
+    while True:
+        with anyio.move_on_after(seconds) as scope:
+            try:
+                chunk = await anext(iterator)
+            except StopAsyncIteration:
+                return
+        if scope.cancelled_caught:
+            raise SlowClient(f"no body bytes received for {seconds:g} s")
+        yield chunk
+
+
+CanRead = Depends(Require(Scope.READ))
+CanWrite = Depends(Require(Scope.WRITE))
+IsAdmin = Depends(Require(Scope.ADMIN))
 StoreDep = Annotated[Store, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 KeyDep = Annotated[EntryKey, Depends(entry_key)]
@@ -74,6 +117,7 @@ def _parse_crc(value: str | None) -> int | None:
 
 @router.get(
     ENTRY_PATH,
+    dependencies=[CanRead],
     summary="Read an entry",
     description=ENTRY_DOC,
     response_class=Response,
@@ -92,6 +136,7 @@ async def get_entry(
 
 @router.head(
     ENTRY_PATH,
+    dependencies=[CanRead],
     summary="Describe an entry",
     description=ENTRY_DOC,
     response_class=Response,
@@ -103,6 +148,7 @@ async def head_entry(key: KeyDep, store: StoreDep) -> Response:
 
 @router.put(
     ENTRY_PATH,
+    dependencies=[CanWrite],
     summary="Store an entry (first writer wins)",
     description=ENTRY_DOC,
     status_code=201,
@@ -128,7 +174,10 @@ async def put_entry(
         raise AlreadyExists(f"entry {key} already exists")
     try:
         result = await store.put(
-            key, request.stream(), declared_length=content_length, expected_crc=expected_crc
+            key,
+            _with_idle_timeout(request.stream(), settings.body_read_timeout),
+            declared_length=content_length,
+            expected_crc=expected_crc,
         )
     except ClientDisconnect:
         raise ClientGone("client disconnected before sending the whole body") from None
@@ -144,7 +193,11 @@ async def put_entry(
 
 
 @router.delete(
-    ENTRY_PATH, summary="Remove an entry from every tier", status_code=204, response_class=Response
+    ENTRY_PATH,
+    dependencies=[IsAdmin],
+    summary="Remove an entry from every tier",
+    status_code=204,
+    response_class=Response,
 )
 async def delete_entry(key: KeyDep, store: StoreDep) -> Response:
     await store.delete(key)
@@ -153,6 +206,7 @@ async def delete_entry(key: KeyDep, store: StoreDep) -> Response:
 
 @router.post(
     "/ec/{model:path}/{dtype}/_exists",
+    dependencies=[CanRead],
     summary="Batch existence check",
     response_model=ExistsResponse,
 )
@@ -185,12 +239,17 @@ async def readyz(store: StoreDep) -> JSONResponse:
     )
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+@router.get(
+    "/metrics",
+    dependencies=[Depends(metrics_access)],
+    summary="Prometheus metrics (public unless EC_METRICS_PUBLIC=false)",
+    response_class=PlainTextResponse,
+)
 async def metrics(request: Request) -> Response:
     registry = request.app.state.metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/stats", summary="Summary for operators")
+@router.get("/stats", dependencies=[CanRead], summary="Summary for operators")
 async def stats(store: StoreDep) -> dict[str, Any]:
     return store.stats()

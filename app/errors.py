@@ -73,6 +73,13 @@ class ClientGone(ECError):
     code = "incomplete_body"
 
 
+class SlowClient(ECError):
+    """An upload stalled past ``EC_BODY_READ_TIMEOUT``; nothing is stored."""
+
+    status_code = 408
+    code = "request_timeout"
+
+
 class Unavailable(ECError):
     """A tier needed to answer is unreachable: the answer is unknown, not absent."""
 

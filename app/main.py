@@ -12,8 +12,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
 from app.api import router
+from app.auth import AnonymousAccess, Authenticator, load_tokens
 from app.errors import ECError
 from app.metrics import Metrics, MetricsMiddleware
+from app.middleware import AdmissionMiddleware, RequestContextMiddleware
 from app.settings import Settings
 from app.store import Store
 from app.tiers.disk import DiskTier
@@ -66,9 +68,34 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+class ConfigurationError(Exception):
+    """Settings that are valid one by one but not together; start-up stops."""
+
+
+def _authenticator(settings: Settings) -> Authenticator:
+    try:
+        tokens = load_tokens(
+            settings.auth_tokens.get_secret_value() if settings.auth_tokens else None,
+            settings.auth_tokens_file,
+        )
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    anonymous = settings.anonymous_access(bool(tokens))
+    if not tokens and anonymous is AnonymousAccess.NONE:
+        raise ConfigurationError(
+            f"listening on {settings.host} with no tokens and no anonymous access: set "
+            "EC_AUTH_TOKENS or EC_AUTH_TOKENS_FILE, or EC_ANONYMOUS=read / read-write"
+        )
+    return Authenticator(tokens, anonymous)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app; tiers are created here and started by the lifespan."""
+    """Build the app; tiers are created here and started by the lifespan.
+
+    Raises ``ConfigurationError`` for settings that cannot work together.
+    """
     settings = settings or Settings()
+    authenticator = _authenticator(settings)
     metrics = Metrics()
     disk = DiskTier(settings.data_dir, settings.disk_max_bytes)
     metrics.watch_disk(disk.stats)
@@ -91,9 +118,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.store = store
+    app.state.authenticator = authenticator
     app.include_router(router)
     app.add_exception_handler(ECError, _ec_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    # Added last is outermost: ids and access lines cover refusals and metrics too.
+    app.add_middleware(AdmissionMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware)
     return app

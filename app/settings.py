@@ -7,8 +7,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.auth import AnonymousAccess
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -39,6 +41,11 @@ class LogLevel(StrEnum):
     WARNING = "warning"
     INFO = "info"
     DEBUG = "debug"
+
+
+class LogFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
 
 
 class Settings(BaseSettings):
@@ -82,6 +89,25 @@ class Settings(BaseSettings):
     writeback_retry_min: float = Field(default=1.0, gt=0)
     writeback_retry_max: float = Field(default=60.0, gt=0)
 
+    # access control (see app/auth.py for the token format)
+    auth_tokens: SecretStr | None = None
+    auth_tokens_file: Path | None = None
+    #: Unset: admin (everything) when no tokens are configured and the server listens
+    #: on loopback only, else none. Set it to allow anonymous access explicitly.
+    anonymous: AnonymousAccess | None = None
+    metrics_public: bool = True
+
+    # limits
+    max_concurrent_uploads: int = Field(default=64, ge=1)
+    max_concurrent_downloads: int = Field(default=512, ge=1)
+    #: An upload that sends nothing for this long is cut off and leaves nothing behind.
+    body_read_timeout: float = Field(default=30.0, gt=0)
+    max_header_bytes: ByteSize = Field(default=16 * 1024, ge=1024)
+    #: SIGTERM: stop accepting, then wait this long for in-flight requests.
+    shutdown_timeout: int = Field(default=30, ge=0)
+
+    log_format: LogFormat = LogFormat.TEXT
+
     @field_validator("s3_endpoint_url", "s3_bucket", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
@@ -99,3 +125,14 @@ class Settings(BaseSettings):
     @property
     def writeback_max_bytes(self) -> int:
         return self.writeback_queue_max_bytes or self.disk_max_bytes // 2
+
+    @property
+    def listens_on_loopback_only(self) -> bool:
+        return self.host in ("127.0.0.1", "::1", "localhost")
+
+    def anonymous_access(self, tokens_configured: bool) -> AnonymousAccess:
+        if self.anonymous is not None:
+            return self.anonymous
+        if not tokens_configured and self.listens_on_loopback_only:
+            return AnonymousAccess.ADMIN
+        return AnonymousAccess.NONE

@@ -16,6 +16,7 @@ All methods are synchronous and thread-safe; the store runs slow ones in threads
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -92,9 +93,22 @@ class PendingWrite:
     done: bool = field(default=False)
 
     def write(self, chunks: Sequence[bytes | memoryview]) -> None:
+        """Append ``chunks``; on a full file system evict once, then give up with 507."""
         views = [memoryview(chunk) for chunk in chunks]
+        evicted = False
         while views:
-            n = os.writev(self.fd, views)
+            try:
+                n = os.writev(self.fd, views)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                needed = sum(len(view) for view in views)
+                if evicted or self.tier.evict_bytes(needed) < needed:
+                    raise InsufficientStorage(
+                        f"the disk tier's file system is full ({exc.strerror})"
+                    ) from None
+                evicted = True
+                continue
             self.written += n
             while views and n >= len(views[0]):
                 n -= len(views[0])
@@ -317,13 +331,22 @@ class DiskTier:
                 pinned=len(self._pinned),
             )
 
-    def _evict_locked(self) -> list[_Entry]:
-        """Pop least recently used, unpinned entries until within the bound."""
+    def evict_bytes(self, nbytes: int) -> int:
+        """Evict least recently used, unpinned entries until ``nbytes`` are freed."""
+        with self._lock:
+            victims = self._evict_locked(until_freed=nbytes)
+        self._unlink(victims)
+        return sum(entry.size for entry in victims)
+
+    def _evict_locked(self, until_freed: int | None = None) -> list[_Entry]:
+        """Pop least recently used, unpinned entries until within the bound (or until
+        ``until_freed`` bytes are freed)."""
         victims: list[_Entry] = []
-        if self._used <= self.max_bytes:
-            return victims
+        freed = 0
         for digest in list(self._index):
-            if self._used <= self.max_bytes:
+            if until_freed is None and self._used <= self.max_bytes:
+                break
+            if until_freed is not None and freed >= until_freed:
                 break
             if digest in self._pinned:
                 continue
@@ -331,6 +354,7 @@ class DiskTier:
             self._used -= entry.size
             self._evictions += 1
             self._evicted_bytes += entry.size
+            freed += entry.size
             victims.append(entry)
         return victims
 
