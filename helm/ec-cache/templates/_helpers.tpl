@@ -94,6 +94,54 @@ EC_S3_BUCKET: {{ $c.s3.bucket | toString | quote }}
 EC_S3_PREFIX: {{ $c.s3.prefix | toString | quote }}
 EC_S3_REGION: {{ $c.s3.region | toString | quote }}
 EC_S3_CREATE_BUCKET: {{ ternary "true" "false" (eq (toString $c.s3.createBucket) "true") | quote }}
+{{- $optional := list
+  (list "EC_LOG_FORMAT" $c.logFormat "")
+  (list "EC_S3_CONNECT_TIMEOUT" $c.s3.connectTimeout "")
+  (list "EC_S3_READ_TIMEOUT" $c.s3.readTimeout "")
+  (list "EC_S3_MAX_ATTEMPTS" $c.s3.maxAttempts "")
+  (list "EC_S3_MAX_POOL_CONNECTIONS" $c.s3.maxPoolConnections "")
+  (list "EC_S3_MULTIPART_THRESHOLD" $c.s3.multipartThreshold "size")
+  (list "EC_S3_MULTIPART_PART_SIZE" $c.s3.multipartPartSize "size")
+  (list "EC_S3_MULTIPART_CONCURRENCY" $c.s3.multipartConcurrency "")
+  (list "EC_S3_GET_CHUNK_SIZE" $c.s3.getChunkSize "size")
+  (list "EC_S3_UNAVAILABLE_COOLDOWN" $c.s3.unavailableCooldown "")
+  (list "EC_S3_VERIFY_TLS" $c.s3.verifyTls "")
+  (list "EC_WRITEBACK_QUEUE_MAX_ENTRIES" $c.writeback.queueMaxEntries "")
+  (list "EC_WRITEBACK_QUEUE_MAX_BYTES" $c.writeback.queueMaxBytes "size")
+  (list "EC_WRITEBACK_WORKERS" $c.writeback.workers "")
+  (list "EC_WRITEBACK_RETRY_MIN" $c.writeback.retryMin "")
+  (list "EC_WRITEBACK_RETRY_MAX" $c.writeback.retryMax "")
+  (list "EC_ANONYMOUS" $c.anonymous "")
+  (list "EC_METRICS_PUBLIC" $c.metricsPublic "")
+  (list "EC_MAX_CONCURRENT_UPLOADS" $c.maxConcurrentUploads "")
+  (list "EC_MAX_CONCURRENT_DOWNLOADS" $c.maxConcurrentDownloads "")
+  (list "EC_BODY_READ_TIMEOUT" $c.bodyReadTimeout "")
+  (list "EC_MAX_HEADER_BYTES" $c.maxHeaderBytes "size")
+  (list "EC_SHUTDOWN_TIMEOUT" $c.shutdownTimeout "")
+}}
+{{- range $optional }}
+{{- $value := index . 1 }}
+{{- if not (kindIs "invalid" $value) }}
+{{ index . 0 }}: {{ ternary (include "ec-cache.sizeString" $value) (include "ec-cache.scalar" $value) (eq (index . 2) "size") | quote }}
+{{- end }}
+{{- end }}
+{{- if .Values.auth.tokensFile.existingSecret }}
+EC_AUTH_TOKENS_FILE: {{ printf "%s/%s" (trimSuffix "/" .Values.auth.tokensFile.mountPath) .Values.auth.tokensFile.key | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* True ("true") when the chart creates the auth tokens Secret. */}}
+{{- define "ec-cache.createAuthSecret" -}}
+{{- if and (not .Values.auth.tokens.existingSecret) .Values.auth.tokens.value -}}true{{- end -}}
+{{- end -}}
+
+{{/* Name of the Secret holding EC_AUTH_TOKENS, or "". */}}
+{{- define "ec-cache.authSecretName" -}}
+{{- if .Values.auth.tokens.existingSecret -}}
+{{- .Values.auth.tokens.existingSecret -}}
+{{- else if include "ec-cache.createAuthSecret" . -}}
+{{- printf "%s-auth" (include "ec-cache.fullname" .) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* A size value as text: integers stay integers (YAML numbers arrive as floats). */}}
@@ -102,6 +150,15 @@ EC_S3_CREATE_BUCKET: {{ ternary "true" "false" (eq (toString $c.s3.createBucket)
 {{- printf "%d" (int64 .) -}}
 {{- else -}}
 {{- . | toString | trim -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A scalar as the server reads it: whole floats without an exponent (1e+07 -> 10000000). */}}
+{{- define "ec-cache.scalar" -}}
+{{- if and (kindIs "float64" .) (eq (float64 .) (float64 (int64 .))) -}}
+{{- printf "%d" (int64 .) -}}
+{{- else -}}
+{{- toString . -}}
 {{- end -}}
 {{- end -}}
 
@@ -150,6 +207,10 @@ Renders "" when the text is not such a size.
 {{- if and $v.autoscaling.enabled (not $v.autoscaling.targetCPUUtilizationPercentage) (not $v.autoscaling.targetMemoryUtilizationPercentage) -}}
 {{- fail "autoscaling: set targetCPUUtilizationPercentage and/or targetMemoryUtilizationPercentage" -}}
 {{- end -}}
+{{- $shutdown := $v.config.shutdownTimeout | default 30 | float64 -}}
+{{- if lt (float64 $v.terminationGracePeriodSeconds) (addf (float64 $v.preStopSleepSeconds) $shutdown) -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be >= preStopSleepSeconds (%v) + config.shutdownTimeout (%v): the kubelet would kill in-flight requests" $v.terminationGracePeriodSeconds $v.preStopSleepSeconds $shutdown) -}}
+{{- end -}}
 {{- $disk := include "ec-cache.bytes" (dict "value" $v.config.diskMaxBytes "server" true) -}}
 {{- if not $disk -}}
 {{- fail (printf "config.diskMaxBytes %q is not a size (bytes or KiB/MiB/GiB/TiB)" (include "ec-cache.sizeString" $v.config.diskMaxBytes)) -}}
@@ -190,7 +251,7 @@ metadata:
     {{- end }}
   annotations:
     checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
-    {{- if include "ec-cache.createSecret" . }}
+    {{- if or (include "ec-cache.createSecret" .) (include "ec-cache.createAuthSecret" .) }}
     checksum/secret: {{ include (print $.Template.BasePath "/secret.yaml") . | sha256sum }}
     {{- end }}
     {{- with $v.podAnnotations }}
@@ -226,7 +287,8 @@ spec:
         {{- with $v.extraEnvFrom }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- if or $secretName $v.extraEnv }}
+      {{- $authSecret := include "ec-cache.authSecretName" . }}
+      {{- if or $secretName $authSecret $v.extraEnv }}
       env:
         {{- if $secretName }}
         - name: AWS_ACCESS_KEY_ID
@@ -239,6 +301,13 @@ spec:
             secretKeyRef:
               name: {{ $secretName }}
               key: {{ $v.s3Credentials.secretAccessKeyKey }}
+        {{- end }}
+        {{- if $authSecret }}
+        - name: EC_AUTH_TOKENS
+          valueFrom:
+            secretKeyRef:
+              name: {{ $authSecret }}
+              key: {{ $v.auth.tokens.key }}
         {{- end }}
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
@@ -269,6 +338,11 @@ spec:
           mountPath: {{ $v.config.dataDir }}
         - name: tmp
           mountPath: /tmp
+        {{- if $v.auth.tokensFile.existingSecret }}
+        - name: auth-tokens
+          mountPath: {{ $v.auth.tokensFile.mountPath }}
+          readOnly: true
+        {{- end }}
         {{- with $v.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -288,6 +362,15 @@ spec:
         {{- with $v.tmp.sizeLimit }}
         sizeLimit: {{ . }}
         {{- end }}
+    {{- with $v.auth.tokensFile.existingSecret }}
+    - name: auth-tokens
+      secret:
+        secretName: {{ . }}
+        defaultMode: 0440
+        items:
+          - key: {{ $v.auth.tokensFile.key }}
+            path: {{ $v.auth.tokensFile.key }}
+    {{- end }}
     {{- with $v.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
