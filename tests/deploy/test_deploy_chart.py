@@ -133,6 +133,8 @@ def test_values_schema_rejects_typos_and_bad_values(values: dict[str, Any]) -> N
         ({"s3Credentials": {"accessKeyId": "only-half"}}, "secretAccessKey"),
         ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "maxReplicas"),
         ({"config": {"shutdownTimeout": 60}}, "terminationGracePeriodSeconds"),
+        ({"config": {"anonymous": "none"}}, "auth.tokens"),
+        ({"config": {"anonymous": None}}, "config.anonymous"),
     ],
 )
 def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], message: str) -> None:
@@ -188,7 +190,7 @@ def test_chart_covers_exactly_the_server_settings() -> None:
 
 def test_unset_tuning_values_leave_server_defaults_alone() -> None:
     data = one(render(), "ConfigMap", FULLNAME)["data"]
-    assert "EC_S3_MAX_ATTEMPTS" not in data and "EC_ANONYMOUS" not in data
+    assert "EC_S3_MAX_ATTEMPTS" not in data and "EC_LOG_FORMAT" not in data
 
 
 def test_configmap_defaults_and_value_mapping() -> None:
@@ -206,6 +208,7 @@ def test_configmap_defaults_and_value_mapping() -> None:
         "EC_S3_PREFIX": "ec",
         "EC_S3_REGION": "us-east-1",
         "EC_S3_CREATE_BUCKET": "false",
+        "EC_ANONYMOUS": "read-write",
     }
     docs = render({
         "config": {

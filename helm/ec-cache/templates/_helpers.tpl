@@ -207,6 +207,10 @@ Renders "" when the text is not such a size.
 {{- if and $v.autoscaling.enabled (not $v.autoscaling.targetCPUUtilizationPercentage) (not $v.autoscaling.targetMemoryUtilizationPercentage) -}}
 {{- fail "autoscaling: set targetCPUUtilizationPercentage and/or targetMemoryUtilizationPercentage" -}}
 {{- end -}}
+{{- $hasTokens := or $v.auth.tokens.existingSecret $v.auth.tokens.value $v.auth.tokensFile.existingSecret -}}
+{{- if and (not $hasTokens) (or (kindIs "invalid" $v.config.anonymous) (eq (toString $v.config.anonymous) "none")) -}}
+{{- fail "no auth tokens (auth.tokens / auth.tokensFile) and no anonymous access (config.anonymous): the server refuses to start like that on a pod's listener. Configure tokens, or set config.anonymous to read or read-write" -}}
+{{- end -}}
 {{- $shutdown := $v.config.shutdownTimeout | default 30 | float64 -}}
 {{- if lt (float64 $v.terminationGracePeriodSeconds) (addf (float64 $v.preStopSleepSeconds) $shutdown) -}}
 {{- fail (printf "terminationGracePeriodSeconds (%v) must be >= preStopSleepSeconds (%v) + config.shutdownTimeout (%v): the kubelet would kill in-flight requests" $v.terminationGracePeriodSeconds $v.preStopSleepSeconds $shutdown) -}}
