@@ -19,6 +19,8 @@ from app.middleware import AdmissionMiddleware, RequestContextMiddleware
 from app.settings import Settings
 from app.store import Store
 from app.tiers.disk import DiskTier
+from app.tiers.s3 import ObjectStore, S3Config
+from app.tiers.s3_tier import S3Tier
 
 
 def _error(
@@ -89,6 +91,16 @@ def _authenticator(settings: Settings) -> Authenticator:
     return Authenticator(tokens, anonymous)
 
 
+def _s3_tier(settings: Settings, disk: DiskTier, metrics: Metrics) -> S3Tier | None:
+    if not settings.s3_enabled:
+        return None
+    try:
+        config = S3Config.from_settings(settings)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    return S3Tier(ObjectStore(config, registry=metrics.registry), disk, metrics.registry)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; tiers are created here and started by the lifespan.
 
@@ -99,7 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     disk = DiskTier(settings.data_dir, settings.disk_max_bytes)
     metrics.watch_disk(disk.stats)
-    store = Store(settings, disk, metrics)
+    store = Store(settings, disk, metrics, _s3_tier(settings, disk, metrics))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -6,6 +6,7 @@ tier answers, and keeps slow file work off the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
@@ -16,10 +17,12 @@ import anyio.to_thread
 from app.errors import NotFound
 from app.keys import EntryKey
 from app.metrics import Metrics
-from app.safetensors_format import BodyValidator
-from app.settings import Settings
+from app.safetensors_format import BodyValidator, TensorHeader
+from app.settings import Settings, WriteMode
 from app.tiers.base import EntryBody, EntryInfo
-from app.tiers.disk import DiskTier
+from app.tiers.disk import DiskTier, PendingWrite
+from app.tiers.s3_tier import S3Tier
+from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
 
 #: Received chunks are batched into writes of about this size (one thread hop each).
 WRITE_BATCH_BYTES = 1024 * 1024
@@ -32,17 +35,53 @@ class PutResult:
     crc32c: int
 
 
+#: Concurrent S3 HEADs of one batch existence check.
+EXISTS_CONCURRENCY = 16
+
+
 class Store:
-    def __init__(self, settings: Settings, disk: DiskTier, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        disk: DiskTier,
+        metrics: Metrics,
+        s3: S3Tier | None = None,
+    ) -> None:
         self.settings = settings
         self.disk = disk
         self.metrics = metrics
+        self.s3 = s3
+        self.uploads: UploadQueue | None = None
+        if s3 is not None and settings.write_mode is WriteMode.WRITE_BACK:
+            self.uploads = UploadQueue(
+                settings.data_dir,
+                disk,
+                self._upload_pending,
+                s3.delete,
+                max_entries=settings.writeback_queue_max_entries,
+                max_bytes=settings.writeback_max_bytes,
+                workers=settings.writeback_workers,
+                retry_min=settings.writeback_retry_min,
+                retry_max=settings.writeback_retry_max,
+                registry=metrics.registry,
+            )
 
     async def start(self) -> None:
+        if self.uploads is not None:  # pin pending uploads before anything is evicted
+            await anyio.to_thread.run_sync(self.uploads.load)
         await anyio.to_thread.run_sync(self.disk.rebuild)
+        if self.uploads is not None:
+            await anyio.to_thread.run_sync(self.uploads.reconcile)
+            await self.uploads.start()
+        if self.s3 is not None:
+            await self.s3.start()
 
     async def stop(self) -> None:
-        """Release resources; the disk tier needs nothing."""
+        """Stop background work; pending write-back uploads stay in the journal."""
+        if self.uploads is not None:
+            await self.uploads.stop()
+        if self.s3 is not None:
+            await self.s3.stop()
 
     # -- reads --------------------------------------------------------------------
 
@@ -54,17 +93,37 @@ class Store:
 
     async def get(self, key: EntryKey) -> EntryBody:
         body = await self._open_disk(key)
+        if body is None and self.s3 is not None:
+            # No await between the disk miss and joining/starting the S3 fill: a fill
+            # that just committed is seen on disk, one in flight is joined.
+            body = await self._get_from_s3(self.s3, key)
         if body is None:
             self.metrics.lookups.labels("miss").inc()
             raise NotFound(f"no entry {key}")
         self.metrics.lookups.labels(body.info.tier).inc()
         return body
 
+    async def _get_from_s3(self, s3: S3Tier, key: EntryKey) -> EntryBody | None:
+        """Read through S3 (single-flight, see ``app.tiers.s3_tier``)."""
+        fill = s3.fill(key)
+        try:
+            # Shielded: a client that leaves does not cancel the fill others share.
+            info = await asyncio.shield(fill.ready)
+        except BaseException:
+            fill.detach()
+            raise
+        if info is None:
+            fill.detach()
+            return None
+        return EntryBody(info, chunks=fill.stream(self.settings.s3_get_chunk_size))
+
     async def head(self, key: EntryKey) -> EntryInfo:
         info = self.disk.info(key)
         if info is None:
             body = await self._open_disk(key)
             info = body.info if body is not None else None
+        if info is None and self.s3 is not None:
+            info = await self.s3.head(key)  # object metadata: never the body
         if info is None:
             self.metrics.lookups.labels("miss").inc()
             raise NotFound(f"no entry {key}")
@@ -72,10 +131,26 @@ class Store:
         return info
 
     async def exists(self, key: EntryKey) -> bool:
-        return self.disk.contains(key)
+        if self.disk.contains(key):
+            return True
+        return self.s3 is not None and await self.s3.exists(key)
 
     async def exists_many(self, keys: Sequence[EntryKey]) -> list[bool]:
-        return [self.disk.contains(key) for key in keys]
+        present = [self.disk.contains(key) for key in keys]
+        s3 = self.s3
+        if s3 is None or all(present):
+            return present
+        limit = asyncio.Semaphore(EXISTS_CONCURRENCY)
+
+        async def check(key: EntryKey) -> bool:
+            async with limit:
+                return await s3.exists(key)
+
+        missing = [index for index, found in enumerate(present) if not found]
+        answers = await asyncio.gather(*(check(keys[index]) for index in missing))
+        for index, found in zip(missing, answers, strict=True):
+            present[index] = found
+        return present
 
     # -- writes -------------------------------------------------------------------
 
@@ -112,7 +187,7 @@ class Store:
             if batch:
                 await anyio.to_thread.run_sync(pending.write, batch)
             header = validator.finish()
-            created = await anyio.to_thread.run_sync(pending.commit, validator.crc, header)
+            created = await self._commit(key, pending, validator.crc, header)
         finally:
             # Also runs on cancellation (client gone): remove the temp file at once.
             with contextlib.suppress(OSError):
@@ -121,8 +196,81 @@ class Store:
             self.metrics.bytes_received.inc(validator.received)
         return PutResult(created, validator.received, validator.crc)
 
+    async def _commit(
+        self, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
+    ) -> bool:
+        """Publish a validated temp file to the tiers the write mode asks for."""
+        if self.s3 is None or self.disk.contains(key):
+            # Disk only, or already here (and so in S3 or queued for it): disk decides.
+            return await anyio.to_thread.run_sync(pending.commit, crc, header)
+        if self.uploads is not None:
+            if self.uploads.has_room(pending.written):
+                return await self._commit_write_back(self.uploads, key, pending, crc, header)
+            self.uploads.metrics.full.inc()  # never drop: fall back to write-through
+        return await self._commit_write_through(self.s3, key, pending, crc, header)
+
+    async def _commit_write_through(
+        self, s3: S3Tier, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
+    ) -> bool:
+        """201 only once S3 has the object; on any S3 failure nothing is stored."""
+        if await s3.exists(key):
+            return False  # another replica wrote it first: theirs is the entry
+        await s3.upload(key, pending.path, crc, header)
+        return await anyio.to_thread.run_sync(pending.commit, crc, header)
+
+    async def _commit_write_back(
+        self,
+        uploads: UploadQueue,
+        key: EntryKey,
+        pending: PendingWrite,
+        crc: int,
+        header: TensorHeader,
+    ) -> bool:
+        """Journal the upload, then commit to disk (pinned until uploaded)."""
+        item = uploads.reserve(key, pending.written, crc)
+        try:
+            if item is not None:
+                await anyio.to_thread.run_sync(uploads.write_record, item)
+            created = await anyio.to_thread.run_sync(pending.commit, crc, header)
+        except BaseException:
+            if item is not None:
+                uploads.cancel(item)
+            raise
+        if item is not None:
+            if created:
+                uploads.activate(item)
+            else:
+                uploads.cancel(item)  # committed meanwhile by a path that uploads itself
+        return created
+
+    async def _upload_pending(self, item: PendingUpload) -> None:
+        """The write-back queue's upload: disk entry (verified) -> S3."""
+        assert self.s3 is not None
+        opened = self.disk.open(item.key)
+        if opened is None:
+            raise EntryGone("not on disk any more")
+        view = opened.view
+        try:
+            if not opened.verified:
+                checked = await anyio.to_thread.run_sync(self.disk.verify, opened)
+                if checked is None:
+                    raise EntryGone("its bytes on disk are corrupt (entry dropped)")
+            entry = opened.entry
+            path, crc, header = entry.path, entry.crc32c, entry.header
+        finally:
+            view.close()
+        assert header is not None
+        if await self.s3.exists(item.key):
+            return  # first writer wins: another replica uploaded it already
+        await self.s3.upload(item.key, path, crc, header)
+
     async def delete(self, key: EntryKey) -> None:
+        """Remove from every tier (and from the write-back queue)."""
+        if self.uploads is not None:
+            self.uploads.discard(key)
         await anyio.to_thread.run_sync(self.disk.delete, key)
+        if self.s3 is not None:
+            await self.s3.delete(key)
 
     # -- operations ---------------------------------------------------------------
 
@@ -135,16 +283,29 @@ class Store:
             )
             for result in ("disk", "s3", "miss")
         }
-        return {
+        result: dict[str, Any] = {
             "disk": asdict(self.disk.stats()),
             "lookups": lookups,
             "write_mode": self.settings.write_mode.value,
             "s3_configured": self.settings.s3_enabled,
         }
+        if self.s3 is not None:
+            result["s3"] = dict(self.s3.describe())
+        if self.uploads is not None:
+            result["upload_queue"] = {
+                "entries": len(self.uploads),
+                "bytes": self.uploads.pending_bytes,
+                "max_entries": self.uploads.max_entries,
+                "max_bytes": self.uploads.max_bytes,
+            }
+        return result
 
     async def readiness(self) -> dict[str, str]:
         """Check name -> "ok" or the reason it failed."""
-        return {"disk": await anyio.to_thread.run_sync(_check_writable, self.disk)}
+        checks = {"disk": await anyio.to_thread.run_sync(_check_writable, self.disk)}
+        if self.s3 is not None:
+            checks["s3"] = await self.s3.readiness()
+        return checks
 
 
 def _check_writable(disk: DiskTier) -> str:

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import boto3
 import botocore.exceptions as bce
@@ -43,6 +43,9 @@ from botocore.config import Config
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from app.checksum import crc32c as crc32c_of
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +237,32 @@ class S3Config:
     get_chunk_size: int = 4 * MiB
     unavailable_cooldown: float = 1.0
     verify_tls: bool | str = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> S3Config:
+        """The S3 tier's configuration from the server's ``EC_S3_*`` settings."""
+        if not settings.s3_bucket:
+            raise ValueError(
+                "EC_S3_BUCKET must be set when EC_S3_ENDPOINT_URL is set "
+                f"({settings.s3_endpoint_url})"
+            )
+        return cls(
+            bucket=settings.s3_bucket,
+            endpoint_url=settings.s3_endpoint_url,
+            prefix=settings.s3_prefix,
+            region=settings.s3_region,
+            create_bucket=settings.s3_create_bucket,
+            connect_timeout=settings.s3_connect_timeout,
+            read_timeout=settings.s3_read_timeout,
+            max_attempts=settings.s3_max_attempts,
+            max_pool_connections=settings.s3_max_pool_connections,
+            multipart_threshold=settings.s3_multipart_threshold,
+            multipart_part_size=settings.s3_multipart_part_size,
+            multipart_concurrency=settings.s3_multipart_concurrency,
+            get_chunk_size=settings.s3_get_chunk_size,
+            unavailable_cooldown=settings.s3_unavailable_cooldown,
+            verify_tls=settings.s3_verify_tls,
+        )
 
     def __post_init__(self) -> None:
         if not self.bucket:
@@ -616,6 +645,24 @@ class ObjectStore:
         if resp is None:
             return None
         return S3Download(self, _info_from_response(key, resp), resp["Body"])
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``
+        when the object does not exist. For reading a body's header without the body."""
+
+        def _get() -> bytes:
+            resp = self._client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+            )
+            body = resp["Body"]
+            try:
+                data: bytes = body.read()
+            finally:
+                body.close()
+            self.metrics.bytes_down.inc(len(data))
+            return data
+
+        return await self._call("get_range", _get, not_found_ok=True)
 
     async def get_bytes(self, key: str) -> bytes | None:
         """The whole object in memory, or ``None`` (tests, small objects)."""
