@@ -160,11 +160,13 @@ async def put_entry(
     request: Request,
     store: StoreDep,
     settings: SettingsDep,
-    content_length: Annotated[int | None, Header()] = None,
     if_none_match: Annotated[str | None, Header()] = None,
     x_ec_crc32c: Annotated[str | None, Header()] = None,
 ) -> Response:
     expected_crc = _parse_crc(x_ec_crc32c)
+    # Read directly, not as a declared parameter: the HTTP server already validated it.
+    length_header = request.headers.get("content-length")
+    content_length = int(length_header) if length_header is not None else None
     # Decided before the body is read: with Expect: 100-continue it is never sent.
     if content_length is not None and content_length > settings.max_body_bytes:
         raise BodyTooLarge(
