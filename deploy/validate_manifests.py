@@ -36,7 +36,7 @@ CUSTOM_SCHEMAS = {
 }
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
+class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]
     """SafeLoader that refuses a mapping with the same key twice."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -48,11 +48,12 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"duplicate key {key!r}", key_node.start_mark
                 )
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 def documents(text: str) -> Iterator[dict[str, Any]]:
-    for doc in yaml.load_all(text, Loader=UniqueKeyLoader):  # noqa: S506 - SafeLoader subclass
+    for doc in yaml.load_all(text, Loader=UniqueKeyLoader):
         if doc is None:
             continue
         if not isinstance(doc, dict):
@@ -93,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="multi-document YAML files, - for stdin")
     parser.add_argument(
-        "-k", "--kube-version", action="append", dest="versions",
+        "-k",
+        "--kube-version",
+        action="append",
+        dest="versions",
         help=f"Kubernetes version to validate against (repeatable; default {DEFAULT_VERSIONS})",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print failures only")

@@ -80,8 +80,16 @@ def test_rendered_manifests_match_kubernetes_schemas(value_file: Path | None) ->
     tool("kubernetes-validate")
     text = render_text(files=files(value_file))
     proc = run(
-        [VENV / "bin" / "python", ROOT / "deploy" / "validate_manifests.py", "--quiet",
-         "-k", "1.25.0", "-k", "1.37.0", "-"],
+        [
+            VENV / "bin" / "python",
+            ROOT / "deploy" / "validate_manifests.py",
+            "--quiet",
+            "-k",
+            "1.25.0",
+            "-k",
+            "1.37.0",
+            "-",
+        ],
         input=text,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -148,19 +156,33 @@ EVERY_SETTING: dict[str, Any] = {
     "config": {
         "logFormat": "json",
         "s3": {
-            "endpointUrl": "http://minio:9000", "bucket": "ec-cache",
-            "connectTimeout": 2, "readTimeout": 20.5, "maxAttempts": 4,
-            "maxPoolConnections": 16, "multipartThreshold": "64MiB",
-            "multipartPartSize": "16MiB", "multipartConcurrency": 2, "getChunkSize": "1MiB",
-            "unavailableCooldown": 3, "verifyTls": False,
+            "endpointUrl": "http://minio:9000",
+            "bucket": "ec-cache",
+            "connectTimeout": 2,
+            "readTimeout": 20.5,
+            "maxAttempts": 4,
+            "maxPoolConnections": 16,
+            "multipartThreshold": "64MiB",
+            "multipartPartSize": "16MiB",
+            "multipartConcurrency": 2,
+            "getChunkSize": "1MiB",
+            "unavailableCooldown": 3,
+            "verifyTls": False,
         },
         "writeback": {
-            "queueMaxEntries": 10000000, "queueMaxBytes": 0, "workers": 2,
-            "retryMin": 1, "retryMax": 30,
+            "queueMaxEntries": 10000000,
+            "queueMaxBytes": 0,
+            "workers": 2,
+            "retryMin": 1,
+            "retryMax": 30,
         },
-        "anonymous": "read", "metricsPublic": True,
-        "maxConcurrentUploads": 8, "maxConcurrentDownloads": 64, "bodyReadTimeout": 10,
-        "maxHeaderBytes": "16KiB", "shutdownTimeout": 25,
+        "anonymous": "read",
+        "metricsPublic": True,
+        "maxConcurrentUploads": 8,
+        "maxConcurrentDownloads": 64,
+        "bodyReadTimeout": 10,
+        "maxHeaderBytes": "16KiB",
+        "shutdownTimeout": 25,
     },
     "auth": {
         "tokens": {"value": "ops:admin:0123456789abcdef0123"},
@@ -210,15 +232,26 @@ def test_configmap_defaults_and_value_mapping() -> None:
         "EC_S3_CREATE_BUCKET": "false",
         "EC_ANONYMOUS": "read-write",
     }
-    docs = render({
-        "config": {
-            "port": 9090, "dataDir": "/cache", "diskMaxBytes": 5368709120,
-            "maxBodyBytes": "256MiB", "writeMode": "write-back", "logLevel": "debug",
-            "s3": {"endpointUrl": "https://s3.example.com", "bucket": "b-1", "prefix": "p/q",
-                   "region": "eu-west-1", "createBucket": True},
-        },
-        "persistence": {"enabled": True, "size": "6Gi"},
-    })
+    docs = render(
+        {
+            "config": {
+                "port": 9090,
+                "dataDir": "/cache",
+                "diskMaxBytes": 5368709120,
+                "maxBodyBytes": "256MiB",
+                "writeMode": "write-back",
+                "logLevel": "debug",
+                "s3": {
+                    "endpointUrl": "https://s3.example.com",
+                    "bucket": "b-1",
+                    "prefix": "p/q",
+                    "region": "eu-west-1",
+                    "createBucket": True,
+                },
+            },
+            "persistence": {"enabled": True, "size": "6Gi"},
+        }
+    )
     data = one(docs, "ConfigMap", FULLNAME)["data"]
     assert data["EC_PORT"] == "9090"
     assert data["EC_DATA_DIR"] == "/cache"
@@ -253,7 +286,9 @@ def test_image_env_matches_chart_defaults() -> None:
 def test_probes_hit_healthz_and_readyz(value_file: Path | None) -> None:
     c = container(render(files=files(value_file)))
     for probe, path in (
-        ("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"),
+        ("startupProbe", "/healthz"),
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
     ):
         assert probe in c, f"{probe} missing"
         assert c[probe]["httpGet"]["path"] == path
@@ -265,10 +300,16 @@ def test_probes_hit_healthz_and_readyz(value_file: Path | None) -> None:
 
 
 def test_probe_overrides_merge_and_disable() -> None:
-    c = container(render({"probes": {
-        "readiness": {"enabled": True, "periodSeconds": 2},
-        "liveness": {"enabled": False},
-    }}))
+    c = container(
+        render(
+            {
+                "probes": {
+                    "readiness": {"enabled": True, "periodSeconds": 2},
+                    "liveness": {"enabled": False},
+                }
+            }
+        )
+    )
     assert c["readinessProbe"]["periodSeconds"] == 2
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert "livenessProbe" not in c
@@ -282,15 +323,24 @@ def _env(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_inline_credentials_go_to_a_secret_and_never_into_plain_env() -> None:
-    text = render_text(merge(S3, {"s3Credentials": {
-        "accessKeyId": SENTINEL_KEY, "secretAccessKey": SENTINEL_SECRET,
-    }}))
+    text = render_text(
+        merge(
+            S3,
+            {
+                "s3Credentials": {
+                    "accessKeyId": SENTINEL_KEY,
+                    "secretAccessKey": SENTINEL_SECRET,
+                }
+            },
+        )
+    )
     # Never in clear text anywhere (the Secret holds base64).
     assert SENTINEL_KEY not in text and SENTINEL_SECRET not in text
     docs = [d for d in yaml.safe_load_all(text) if d]
     secret = one(docs, "Secret", f"{FULLNAME}-s3")
     assert secret["data"] == {
-        "AWS_ACCESS_KEY_ID": b64(SENTINEL_KEY), "AWS_SECRET_ACCESS_KEY": b64(SENTINEL_SECRET),
+        "AWS_ACCESS_KEY_ID": b64(SENTINEL_KEY),
+        "AWS_SECRET_ACCESS_KEY": b64(SENTINEL_SECRET),
     }
     for doc in docs:
         if doc["kind"] != "Secret":
@@ -307,16 +357,27 @@ def test_inline_credentials_go_to_a_secret_and_never_into_plain_env() -> None:
 
 
 def test_existing_secret_is_referenced_and_no_secret_is_rendered() -> None:
-    docs = render(merge(S3, {"s3Credentials": {
-        "existingSecret": "team-s3", "accessKeyIdKey": "ak", "secretAccessKeyKey": "sk",
-        "accessKeyId": SENTINEL_KEY, "secretAccessKey": SENTINEL_SECRET,
-    }}))
+    docs = render(
+        merge(
+            S3,
+            {
+                "s3Credentials": {
+                    "existingSecret": "team-s3",
+                    "accessKeyIdKey": "ak",
+                    "secretAccessKeyKey": "sk",
+                    "accessKeyId": SENTINEL_KEY,
+                    "secretAccessKey": SENTINEL_SECRET,
+                }
+            },
+        )
+    )
     assert find(docs, "Secret") == []
     assert SENTINEL_KEY not in json.dumps(docs) and SENTINEL_SECRET not in json.dumps(docs)
     env = _env(container(docs))
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "team-s3", "key": "ak"}
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "team-s3", "key": "sk",
+        "name": "team-s3",
+        "key": "sk",
     }
     annotations = workload(docs)["spec"]["template"]["metadata"]["annotations"]
     assert "checksum/secret" not in annotations
@@ -324,15 +385,22 @@ def test_existing_secret_is_referenced_and_no_secret_is_rendered() -> None:
 
 def test_auth_tokens_reach_the_pod_through_secrets_only() -> None:
     token = "ops:admin:" + SENTINEL_SECRET
-    text = render_text({"auth": {"tokens": {"value": token},
-                                 "tokensFile": {"existingSecret": "tok", "key": "t.txt"}}})
+    text = render_text(
+        {
+            "auth": {
+                "tokens": {"value": token},
+                "tokensFile": {"existingSecret": "tok", "key": "t.txt"},
+            }
+        }
+    )
     assert token not in text and SENTINEL_SECRET not in text
     docs = [d for d in yaml.safe_load_all(text) if d]
     secret = one(docs, "Secret", f"{FULLNAME}-auth")
     assert secret["data"] == {"EC_AUTH_TOKENS": b64(token)}
     env = _env(container(docs))
     assert env["EC_AUTH_TOKENS"]["valueFrom"]["secretKeyRef"] == {
-        "name": f"{FULLNAME}-auth", "key": "EC_AUTH_TOKENS",
+        "name": f"{FULLNAME}-auth",
+        "key": "EC_AUTH_TOKENS",
     }
     assert "EC_AUTH_TOKENS" not in one(docs, "ConfigMap", FULLNAME)["data"]
     volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
@@ -344,9 +412,18 @@ def test_auth_tokens_reach_the_pod_through_secrets_only() -> None:
 
 
 def test_no_credentials_means_the_aws_default_chain() -> None:
-    docs = render(merge(S3, {"serviceAccount": {"annotations": {
-        "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/ec",
-    }}}))
+    docs = render(
+        merge(
+            S3,
+            {
+                "serviceAccount": {
+                    "annotations": {
+                        "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/ec",
+                    }
+                }
+            },
+        )
+    )
     assert find(docs, "Secret") == []
     assert not any(n.startswith("AWS_") for n in _env(container(docs)))
     sa = one(docs, "ServiceAccount")
@@ -391,9 +468,7 @@ def test_hardened_security_context(value_file: Path | None) -> None:
 
 def test_pod_uid_matches_the_image_user() -> None:
     runtime = dockerfile_stages()[-1]
-    args = dict(
-        arg.split("=", 1) for instr, arg in runtime if instr == "ARG" and "=" in arg
-    )
+    args = dict(arg.split("=", 1) for instr, arg in runtime if instr == "ARG" and "=" in arg)
     user = [arg for instr, arg in runtime if instr == "USER"]
     assert user == ["${UID}:${GID}"]
     psc = pod_spec(render())["securityContext"]
@@ -414,15 +489,24 @@ def test_replica_count_is_honoured(replicas: int, kind: str) -> None:
 
 
 def test_hpa_owns_replicas_when_enabled() -> None:
-    docs = render({"replicaCount": 3, "autoscaling": {
-        "enabled": True, "minReplicas": 2, "maxReplicas": 9,
-    }})
+    docs = render(
+        {
+            "replicaCount": 3,
+            "autoscaling": {
+                "enabled": True,
+                "minReplicas": 2,
+                "maxReplicas": 9,
+            },
+        }
+    )
     w = workload(docs)
     assert "replicas" not in w["spec"]
     hpa = one(docs, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"] == {
-        "apiVersion": "apps/v1", "kind": w["kind"], "name": w["metadata"]["name"],
+        "apiVersion": "apps/v1",
+        "kind": w["kind"],
+        "name": w["metadata"]["name"],
     }
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 9)
     assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
@@ -462,7 +546,8 @@ def test_persistence_gives_each_pod_its_own_claim() -> None:
     assert claim["spec"]["storageClassName"] == "local-nvme"
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert w["spec"]["persistentVolumeClaimRetentionPolicy"] == {
-        "whenDeleted": "Delete", "whenScaled": "Retain",
+        "whenDeleted": "Delete",
+        "whenScaled": "Retain",
     }
     volumes = {v["name"] for v in pod_spec(docs)["volumes"]}
     assert "data" not in volumes  # the claim template provides it
@@ -493,7 +578,9 @@ def _checksums(values: dict[str, Any]) -> dict[str, str]:
 def test_config_checksum_changes_with_config_only() -> None:
     base = _checksums({})
     assert len(base["checksum/config"]) == 64
-    assert _checksums({"config": {"logLevel": "debug"}})["checksum/config"] != base["checksum/config"]
+    assert (
+        _checksums({"config": {"logLevel": "debug"}})["checksum/config"] != base["checksum/config"]
+    )
     assert _checksums(merge(S3, {}))["checksum/config"] != base["checksum/config"]
     # Not a change of configuration: same checksum, no needless rollout.
     assert _checksums({"replicaCount": 5}) == base
@@ -565,8 +652,10 @@ def test_networkpolicy_limits_ingress_and_egress() -> None:
     assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
     (ingress,) = np["spec"]["ingress"]
     assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}]
-    sources = [p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
-               for p in ingress["from"]]
+    sources = [
+        p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        for p in ingress["from"]
+    ]
     assert sources == ["vllm", "monitoring"]
     dns, s3 = np["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
@@ -601,8 +690,12 @@ def test_chart_readme_and_docs_list_every_server_variable() -> None:
 
 
 def test_values_schema_is_generated_from_the_script() -> None:
-    proc = run([VENV / "bin" / "python" if (VENV / "bin" / "python").exists() else "python3",
-                ROOT / "deploy" / "gen_values_schema.py"])
+    proc = run(
+        [
+            VENV / "bin" / "python" if (VENV / "bin" / "python").exists() else "python3",
+            ROOT / "deploy" / "gen_values_schema.py",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     committed = json.loads((CHART / "values.schema.json").read_text())
     assert json.loads(proc.stdout) == committed, "run deploy/gen_values_schema.py"

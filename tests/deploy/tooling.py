@@ -46,8 +46,13 @@ def tool(name: str) -> Path:
 
 def run(args: list[str | Path], **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(a) for a in args], capture_output=True, text=True, timeout=120, check=False,
-        cwd=ROOT, **kwargs,
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+        **kwargs,
     )
 
 
@@ -75,9 +80,7 @@ def _render_cached(values_json: str, files: tuple[str, ...]) -> str:
 
 
 def render_text(values: dict[str, Any] | None = None, files: Iterable[Path] = ()) -> str:
-    return _render_cached(
-        json.dumps(values or {}, sort_keys=True), tuple(str(f) for f in files)
-    )
+    return _render_cached(json.dumps(values or {}, sort_keys=True), tuple(str(f) for f in files))
 
 
 def render(values: dict[str, Any] | None = None, files: Iterable[Path] = ()) -> list[Doc]:
@@ -94,8 +97,7 @@ def render_error(values: dict[str, Any]) -> str:
 
 def find(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
     return [
-        d for d in docs
-        if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
     ]
 
 
@@ -146,8 +148,10 @@ def server_env_vars() -> set[str] | None:
             return {
                 prefix + stmt.target.id.upper()
                 for stmt in node.body
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and not stmt.target.id.startswith("_") and stmt.target.id != "model_config"
+                if isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and not stmt.target.id.startswith("_")
+                and stmt.target.id != "model_config"
             }
     return None
 
