@@ -79,6 +79,7 @@ DeleteFn = Callable[[EntryKey], Awaitable[None]]
 
 class UploadQueueMetrics:
     def __init__(self, registry: CollectorRegistry, queue: UploadQueue) -> None:
+        self.registry = registry
         self.depth = Gauge(
             "ec_s3_upload_queue_depth",
             "Entries committed to disk and waiting for their write-back upload to S3.",
