@@ -1,0 +1,18 @@
+"""Support code for :mod:`ec_cache.vllm` that does not import vLLM.
+
+Kept apart so that the bounded caches, the circuit breaker, the counters and the
+background uploader can be used and tested without vLLM installed. The public
+connector is :class:`ec_cache.vllm.ECCacheConnector`.
+"""
+
+from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
+from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
+
+__all__ = [
+    "BackgroundUploader",
+    "CircuitBreaker",
+    "Counters",
+    "TTLCache",
+    "UploadJob",
+    "cache_key",
+]

@@ -1,0 +1,1009 @@
+"""vLLM encoder-cache connector backed by an ec-cache server.
+
+Load it with::
+
+    vllm serve Qwen/Qwen2.5-VL-7B-Instruct --ec-transfer-config '{
+        "ec_connector": "ECCacheConnector",
+        "ec_connector_module_path": "ec_cache.vllm",
+        "ec_role": "ec_both",
+        "ec_connector_extra_config": {"url": "http://ec-cache:8080"}}'
+
+vLLM's ``ECConnectorFactory`` imports this module and builds
+``ECCacheConnector(vllm_config, role)`` once in the scheduler (role ``SCHEDULER``) and
+once in every worker (role ``WORKER``). See ``docs/vllm.md`` for the keys of
+``ec_connector_extra_config``, what happens on misses and outages, and the tested vLLM
+versions. This is the only module of the SDK that imports vLLM.
+
+Scheduler side
+    ``has_cache_item`` runs inside vLLM's scheduling loop. Before vLLM asks about a
+    request's items it calls ``ensure_cache_available(request, ...)``; the connector
+    then asks the server about every item of that request that is still to be
+    computed in ONE ``POST _exists``. Answers are kept: positives in a bounded LRU
+    (entries are immutable), negatives until the end of the step (plus ``miss_ttl_s``).
+    Every request carries a short timeout; failures feed a circuit breaker, and while
+    it is open every question is answered "miss" without touching the network.
+
+Worker side
+    ``start_load_caches`` fetches all items of the step concurrently, straight to the
+    worker's own device, validates their row count, and stores them in vLLM's
+    ``encoder_cache``. ``save_caches`` only stages a host copy (a pinned buffer on a side
+    stream on CUDA) and queues it; daemon threads upload it. One tensor-parallel rank
+    uploads; ``If-None-Match``-style first-writer-wins on the server makes duplicates
+    free anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
+
+import ec_cache
+from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
+from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "ECCacheConnector",
+    "ECCacheConnectorConfig",
+    "ECCacheConnectorMetadata",
+    "ECCacheConnectorStats",
+    "ECCacheLoad",
+]
+
+logger = logging.getLogger("ec_cache.vllm")
+
+_MODEL_SEGMENT = re.compile(r"[A-Za-z0-9._@+-]+")
+_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_UNITS.update({"kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4})
+
+
+# ----------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"ec_connector_extra_config.{key}: expected a boolean, got {value!r}")
+
+
+def _as_float(value: Any, key: str, *, minimum: float = 0.0) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"ec_connector_extra_config.{key}: expected a number, got {value!r}"
+        ) from None
+    if number < minimum:
+        raise ValueError(f"ec_connector_extra_config.{key}: must be >= {minimum}, got {value!r}")
+    return number
+
+
+def _as_int(value: Any, key: str, *, minimum: int = 0) -> int:
+    number = _as_float(value, key, minimum=minimum)
+    if number != int(number):
+        raise ValueError(f"ec_connector_extra_config.{key}: expected an integer, got {value!r}")
+    return int(number)
+
+
+def _as_size(value: Any, key: str) -> int:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _as_int(value, key, minimum=1)
+    match = _SIZE.fullmatch(str(value))
+    if not match:
+        raise ValueError(
+            f"ec_connector_extra_config.{key}: expected bytes or a size like '512MiB', "
+            f"got {value!r}"
+        )
+    size = int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+    if size < 1:
+        raise ValueError(f"ec_connector_extra_config.{key}: must be >= 1 byte")
+    return size
+
+
+def check_model_namespace(model: str) -> str:
+    """``model`` if it is a valid ``{model}`` path part (docs/http-api.md), else
+    ``ValueError`` naming the rule."""
+    segments = model.split("/")
+    if (
+        not model
+        or len(model.encode("utf-8")) > 256
+        or any(s in ("", ".", "..") or not _MODEL_SEGMENT.fullmatch(s) for s in segments)
+    ):
+        raise ValueError(
+            f"{model!r} is not a valid ec-cache model namespace: use '/'-separated segments "
+            "of letters, digits, '.', '_', '-', '@', '+' (no empty, '.' or '..' segment, "
+            "at most 256 bytes)"
+        )
+    return model
+
+
+@dataclass(frozen=True)
+class ECCacheConnectorConfig:
+    """The connector's settings, read from ``ec_connector_extra_config``.
+
+    Unknown keys are rejected, so a typo does not silently fall back to a default.
+    """
+
+    urls: tuple[str, ...]
+    model: str | None = None
+    encoder_revision: str | None = None
+    dtype: str | None = None
+    token: str | None = None
+    # scheduler
+    exists_timeout_s: float = 0.1
+    hit_cache_size: int = 65536
+    hit_ttl_s: float | None = 300.0
+    miss_ttl_s: float = 1.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 1.0
+    breaker_max_cooldown_s: float = 30.0
+    # worker: load
+    load_timeout_s: float = 10.0
+    load_concurrency: int = 8
+    on_load_failure: str = "recompute"
+    device: str | None = None
+    # worker: save
+    save: bool | None = None
+    save_all_ranks: bool = False
+    save_queue_items: int = 64
+    save_queue_bytes: int = 1 << 30
+    upload_threads: int = 2
+    upload_timeout_s: float = 30.0
+
+    KEYS = frozenset(
+        {
+            "url", "urls", "model", "encoder_revision", "dtype", "token",
+            "exists_timeout_s", "hit_cache_size", "hit_ttl_s", "miss_ttl_s",
+            "breaker_failures", "breaker_cooldown_s", "breaker_max_cooldown_s",
+            "load_timeout_s", "load_concurrency", "on_load_failure", "device",
+            "save", "save_all_ranks", "save_queue_items", "save_queue_bytes",
+            "upload_threads", "upload_timeout_s",
+        }
+    )  # fmt: skip
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ECCacheConnectorConfig:
+        unknown = sorted(set(extra) - cls.KEYS)
+        if unknown:
+            raise ValueError(
+                f"ec_connector_extra_config: unknown key(s) {unknown} for ECCacheConnector; "
+                f"known: {sorted(cls.KEYS)}"
+            )
+        raw_urls = extra.get("urls", extra.get("url"))
+        if raw_urls is None:
+            raw_urls = os.environ.get("EC_CACHE_URL")
+        if not raw_urls:
+            raise ValueError(
+                "ECCacheConnector needs the server: set ec_connector_extra_config.url "
+                "(a URL, a comma-separated list or a JSON list) or EC_CACHE_URL"
+            )
+        if isinstance(raw_urls, str):
+            urls = tuple(u.strip() for u in raw_urls.split(",") if u.strip())
+        else:
+            urls = tuple(str(u).strip() for u in raw_urls if str(u).strip())
+        if not urls:
+            raise ValueError("ec_connector_extra_config.url: no URL given")
+
+        def opt_str(key: str) -> str | None:
+            value = extra.get(key)
+            return None if value is None or str(value) == "" else str(value)
+
+        hit_ttl_raw = extra.get("hit_ttl_s", cls.hit_ttl_s)
+        on_failure = str(extra.get("on_load_failure", cls.on_load_failure)).lower()
+        if on_failure not in ("recompute", "raise"):
+            raise ValueError(
+                "ec_connector_extra_config.on_load_failure: 'recompute' or 'raise', "
+                f"got {on_failure!r}"
+            )
+        revision = opt_str("encoder_revision")
+        if revision is not None and not _MODEL_SEGMENT.fullmatch(revision):
+            raise ValueError(
+                "ec_connector_extra_config.encoder_revision: letters, digits, '.', '_', "
+                f"'-', '@', '+' only, got {revision!r}"
+            )
+        return cls(
+            urls=urls,
+            model=opt_str("model"),
+            encoder_revision=revision,
+            dtype=opt_str("dtype"),
+            token=opt_str("token") or os.environ.get("EC_CACHE_TOKEN") or None,
+            exists_timeout_s=_as_float(
+                extra.get("exists_timeout_s", cls.exists_timeout_s), "exists_timeout_s",
+                minimum=0.001,
+            ),
+            hit_cache_size=_as_int(
+                extra.get("hit_cache_size", cls.hit_cache_size), "hit_cache_size"
+            ),
+            hit_ttl_s=None if hit_ttl_raw is None else _as_float(hit_ttl_raw, "hit_ttl_s"),
+            miss_ttl_s=_as_float(extra.get("miss_ttl_s", cls.miss_ttl_s), "miss_ttl_s"),
+            breaker_failures=_as_int(
+                extra.get("breaker_failures", cls.breaker_failures), "breaker_failures",
+                minimum=1,
+            ),
+            breaker_cooldown_s=_as_float(
+                extra.get("breaker_cooldown_s", cls.breaker_cooldown_s), "breaker_cooldown_s"
+            ),
+            breaker_max_cooldown_s=_as_float(
+                extra.get("breaker_max_cooldown_s", cls.breaker_max_cooldown_s),
+                "breaker_max_cooldown_s",
+            ),
+            load_timeout_s=_as_float(
+                extra.get("load_timeout_s", cls.load_timeout_s), "load_timeout_s",
+                minimum=0.001,
+            ),
+            load_concurrency=_as_int(
+                extra.get("load_concurrency", cls.load_concurrency), "load_concurrency",
+                minimum=1,
+            ),
+            on_load_failure=on_failure,
+            device=opt_str("device"),
+            save=None if extra.get("save") is None else _as_bool(extra["save"], "save"),
+            save_all_ranks=_as_bool(extra.get("save_all_ranks", False), "save_all_ranks"),
+            save_queue_items=_as_int(
+                extra.get("save_queue_items", cls.save_queue_items), "save_queue_items",
+                minimum=1,
+            ),
+            save_queue_bytes=_as_size(
+                extra.get("save_queue_bytes", cls.save_queue_bytes), "save_queue_bytes"
+            ),
+            upload_threads=_as_int(
+                extra.get("upload_threads", cls.upload_threads), "upload_threads", minimum=1
+            ),
+            upload_timeout_s=_as_float(
+                extra.get("upload_timeout_s", cls.upload_timeout_s), "upload_timeout_s",
+                minimum=0.001,
+            ),
+        )
+
+
+def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> tuple[str, str]:
+    """The ``(model, dtype)`` path parts for this deployment.
+
+    ``model``: the extra config's ``model`` if set, else the model config's ``model``
+    (a Hugging Face id such as ``Qwen/Qwen2.5-VL-7B-Instruct``), else its served
+    name; plus ``@{encoder_revision}`` when set. A local path (``/models/x``) is not a
+    namespace: set ``model`` then. ``dtype``: the extra config's ``dtype`` if set,
+    else the model config's dtype.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    model = cfg.model
+    if model is None and model_config is not None:
+        candidates = [getattr(model_config, "model", None)]
+        served = getattr(model_config, "served_model_name", None)
+        candidates += served if isinstance(served, list) else [served]
+        for candidate in candidates:
+            if isinstance(candidate, str):
+                try:
+                    model = check_model_namespace(candidate)
+                    break
+                except ValueError:
+                    continue
+        if model is None:
+            raise ValueError(
+                f"ECCacheConnector: the model {getattr(model_config, 'model', None)!r} is "
+                "not usable as an ec-cache namespace (a local path?); set "
+                "ec_connector_extra_config.model, e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'"
+            )
+    if model is None:
+        raise ValueError(
+            "ECCacheConnector: no model config; set ec_connector_extra_config.model"
+        )
+    if cfg.encoder_revision:
+        model = f"{model}@{cfg.encoder_revision}"
+    check_model_namespace(model)
+
+    dtype = cfg.dtype
+    if dtype is None:
+        model_dtype = getattr(model_config, "dtype", None) if model_config else None
+        if isinstance(model_dtype, torch.dtype):
+            dtype = str(model_dtype).removeprefix("torch.")
+        elif isinstance(model_dtype, str) and model_dtype not in ("auto", ""):
+            dtype = model_dtype.removeprefix("torch.")
+        else:
+            raise ValueError(
+                "ECCacheConnector: the model's dtype is unknown; set "
+                "ec_connector_extra_config.dtype (e.g. 'bfloat16')"
+            )
+    return model, dtype
+
+
+# ----------------------------------------------------------------------------------
+# Metadata and stats
+# ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ECCacheLoad:
+    """One encoder output for the worker to fetch in this step."""
+
+    mm_hash: str  # vLLM's identifier: the encoder_cache key
+    key: str  # the {hash} path part (cache_key(mm_hash))
+    num_embeds: int | None  # expected rows, when vLLM knows them
+    width: int | None  # expected hidden size, when vLLM measured it
+    req_id: str  # first request that needs it (to recompute on failure)
+    input_id: int
+
+
+@dataclass
+class ECCacheConnectorMetadata(ECConnectorMetadata):
+    """Scheduler -> worker: the items to load in this step.
+
+    ``scheduled_encoder_inputs`` is the very dict of this step's ``SchedulerOutput``
+    (pickling keeps the identity when vLLM ships the output to a worker process), so
+    that a worker whose load failed can add the item to this step's encoder work.
+    """
+
+    loads: list[ECCacheLoad] = field(default_factory=list)
+    scheduled_encoder_inputs: dict[str, list[int]] | None = None
+
+
+_AVERAGES = {
+    "exists_avg_ms": ("exists_seconds", "exists_requests", 1000.0),
+    "load_avg_ms": ("load_seconds", "load_steps", 1000.0),
+    "save_avg_ms": ("save_seconds", "save_uploads", 1000.0),
+    "save_queue_avg_ms": ("save_queue_seconds", "save_uploads", 1000.0),
+}
+
+
+@dataclass
+class ECCacheConnectorStats(ECConnectorStats):
+    """Counters of one interval; summed across workers and the scheduler by vLLM.
+
+    Keys (all optional): ``hits``, ``hits_local`` (answered from the LRU), ``misses``,
+    ``misses_outage`` (answered "miss" because the server failed or the breaker was
+    open), ``exists_requests``/``exists_seconds``/``exists_failed``, ``breaker_opened``,
+    ``load_items``/``load_bytes``/``load_seconds``/``load_steps``/``load_failed``/
+    ``load_recomputed``/``load_retries``, ``save_enqueued``/``save_created``/
+    ``save_present``/``save_bytes``/``save_seconds``/``save_failed``/``save_dropped``/
+    ``save_dropped_bytes``/``save_skipped_*``.
+    """
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
+        for name, value in other.data.items():
+            if isinstance(value, int | float):
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            k: (round(v, 6) if isinstance(v, float) else v)
+            for k, v in sorted(self.data.items())
+            if isinstance(v, int | float) and not k.endswith("_seconds")
+        }
+        data = dict(self.data)
+        data["save_uploads"] = data.get("save_created", 0) + data.get("save_present", 0)
+        for name, (total, count, scale) in _AVERAGES.items():
+            if data.get(count):
+                out[name] = round(data.get(total, 0) / data[count] * scale, 3)
+        asked = data.get("hits", 0) + data.get("misses", 0)
+        if asked:
+            out["hit_rate"] = round(data.get("hits", 0) / asked, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class ECCachePromMetrics(ECConnectorPromMetrics):
+    """Prometheus counters ``vllm:ec_cache_<name>_total`` for the numeric stats."""
+
+    _COUNTERS = {
+        "hits": "Encoder outputs the scheduler found in ec-cache.",
+        "misses": "Encoder outputs the scheduler did not find (computed locally).",
+        "misses_outage": "Misses answered because ec-cache failed or was cut off.",
+        "exists_failed": "Failed existence requests to ec-cache.",
+        "load_items": "Encoder outputs loaded from ec-cache.",
+        "load_bytes": "Bytes of encoder outputs loaded from ec-cache.",
+        "load_failed": "Encoder outputs that could not be loaded.",
+        "load_recomputed": "Failed loads recomputed by the encoder in the same step.",
+        "save_created": "Encoder outputs stored in ec-cache.",
+        "save_bytes": "Bytes of encoder outputs stored in ec-cache.",
+        "save_present": "Uploads answered 'already present'.",
+        "save_failed": "Uploads that failed.",
+        "save_dropped": "Encoder outputs not uploaded because the queue was full.",
+    }
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, dict[int, Any]] = {}
+        for name, doc in self._COUNTERS.items():
+            counter = self._counter_cls(
+                name=f"vllm:ec_cache_{name}", documentation=doc, labelnames=labelnames
+            )
+            self._metrics[name] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._metrics.items():
+            value = transfer_stats_data.get(name)
+            if isinstance(value, int | float) and value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+
+
+# ----------------------------------------------------------------------------------
+# Helpers that only matter on a GPU (not exercised by the CPU test-suite)
+# ----------------------------------------------------------------------------------
+
+
+def _default_load_device() -> str:
+    """The worker's own device: ``cuda:{current_device()}``, never bare ``cuda``
+    (which would mean ``cuda:0`` on every tensor-parallel rank). GPU-only branch."""
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _make_current_stream_wait_for_loads(device: torch.device) -> None:
+    """GPU-only. The SDK enqueues each host-to-device copy on the current stream of
+    the loading thread (the device's default stream). Make the forward pass's stream
+    wait for it before vLLM reads the tensors."""
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        current.wait_stream(default)
+
+
+class _CudaStager:
+    """GPU-only. Device-to-host copies for uploads that do not block the forward pass.
+
+    The copy is queued on a side stream after the work already queued on the
+    forward stream (so it reads the finished encoder output) into a pinned buffer
+    from torch's caching host allocator; the tensor is marked as used by the side
+    stream so that its memory is not reused before the copy ran. The upload thread
+    waits for the returned event, not the forward thread.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def stage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        device = tensor.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        side = self._streams.get(index)
+        if side is None:
+            side = torch.cuda.Stream(device=device)
+            self._streams[index] = side
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            host.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        tensor.record_stream(side)
+        return host, event.synchronize
+
+
+def _stage_host_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """CPU (and other non-CUDA) tensors: hold a reference, no copy. vLLM never writes
+    into an encoder output once it is in ``encoder_cache`` (later prefill chunks read
+    it from there), so holding it until the upload is done is safe."""
+    return tensor.detach()
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 when vLLM's groups are not set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+def _prefill_context_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pcp_group
+
+        return int(get_pcp_group().rank_in_group)
+    except Exception:
+        return 0
+
+
+# ----------------------------------------------------------------------------------
+# The connector
+# ----------------------------------------------------------------------------------
+
+
+def _make_client(
+    cfg: ECCacheConnectorConfig,
+    model: str,
+    dtype: str,
+    *,
+    timeout: float,
+    attempts: int,
+    raise_on_unavailable: bool,
+    concurrency: int,
+) -> ec_cache.Client:
+    return ec_cache.Client(
+        list(cfg.urls),
+        model=model,
+        dtype=dtype,
+        token=cfg.token,
+        timeouts=ec_cache.Timeouts.of(timeout),
+        retries=ec_cache.Retries(attempts=attempts, backoff=min(0.05, timeout / 4)),
+        limits=ec_cache.Limits(concurrency=concurrency),
+        raise_on_unavailable=raise_on_unavailable,
+    )
+
+
+class ECCacheConnector(ECConnectorBase):
+    """vLLM ``ECConnectorBase`` over an ec-cache server (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        ec_config = vllm_config.ec_transfer_config
+        assert ec_config is not None  # checked by the base class
+        self.config = ECCacheConnectorConfig.from_extra_config(
+            dict(ec_config.ec_connector_extra_config or {})
+        )
+        self.model, self.dtype = resolve_namespace(self.config, vllm_config)
+        self._counters = Counters()
+        self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
+        parallel = vllm_config.parallel_config
+        self._tp_world = int(getattr(parallel, "tensor_parallel_size", 1)) * int(
+            getattr(parallel, "prefill_context_parallel_size", 1) or 1
+        )
+        self._closed = False
+        cfg = self.config
+        # --- scheduler state
+        self._client: ec_cache.Client | None = None
+        self._breaker = CircuitBreaker(
+            cfg.breaker_failures, cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s
+        )
+        self._breaker_opened_seen = 0
+        self._hits: TTLCache[str, bool] = TTLCache(cfg.hit_cache_size, cfg.hit_ttl_s)
+        self._misses: TTLCache[str, bool] = TTLCache(
+            min(cfg.hit_cache_size, 8192) if cfg.miss_ttl_s > 0 else 0, cfg.miss_ttl_s
+        )
+        self._step_answers: dict[str, bool] = {}  # identifier -> answer given this step
+        self._pending_loads: dict[str, ECCacheLoad] = {}
+        # --- worker state
+        self._load_client: ec_cache.Client | None = None
+        self._upload_client: ec_cache.Client | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._uploader: BackgroundUploader | None = None
+        self._cuda_stager: _CudaStager | None = None
+        self._known_present: TTLCache[str, bool] = TTLCache(cfg.hit_cache_size, cfg.hit_ttl_s)
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self.save_enabled = self.is_producer if cfg.save is None else (cfg.save and True)
+
+        if role == ECConnectorRole.SCHEDULER:
+            self._client = _make_client(
+                cfg, self.model, self.dtype,
+                timeout=cfg.exists_timeout_s, attempts=1,
+                raise_on_unavailable=False, concurrency=1,
+            )  # fmt: skip
+        else:
+            self._load_client = _make_client(
+                cfg, self.model, self.dtype,
+                timeout=min(cfg.load_timeout_s, 30.0), attempts=2,
+                raise_on_unavailable=True, concurrency=cfg.load_concurrency,
+            )  # fmt: skip
+        logger.info(
+            "ec-cache connector (%s, %s): %s, namespace %s/%s",
+            role.name.lower(),
+            vllm_config.ec_transfer_config.ec_role if vllm_config.ec_transfer_config else "?",
+            ",".join(cfg.urls),
+            self.model,
+            self.dtype,
+        )
+
+    # ------------------------------------------------------------------ common
+
+    def counters(self) -> dict[str, float]:
+        """Lifetime totals of every counter of this connector instance (plain dict,
+        for tests and for deployments without vLLM's stats loggers)."""
+        return self._counters.totals()
+
+    def get_ec_connector_stats(self) -> ECConnectorStats | None:
+        self._note_breaker()
+        data = self._counters.take()
+        return ECCacheConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_ec_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> ECConnectorStats | None:
+        return ECCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECConnectorPromMetrics | None:
+        return ECCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued uploads are done (tests, shutdown); ``False`` on timeout."""
+        return self._uploader.flush(timeout) if self._uploader is not None else True
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._uploader is not None:
+            self._uploader.close(timeout=self.config.upload_timeout_s)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in (self._client, self._load_client, self._upload_client):
+            if client is not None:
+                client.close()
+
+    def _warn_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message, *args)
+
+    def _note_breaker(self) -> None:
+        opened = self._breaker.opened
+        if opened != self._breaker_opened_seen:
+            self._counters.add("breaker_opened", opened - self._breaker_opened_seen)
+            self._breaker_opened_seen = opened
+
+    # --------------------------------------------------------------- scheduler
+
+    def _ask(self, identifiers: Sequence[str]) -> None:
+        """One ``_exists`` round trip for ``identifiers`` (not yet answered this
+        step); records every answer. On failure or with the breaker open, every one
+        of them is a miss for this step."""
+        todo = list(dict.fromkeys(i for i in identifiers if i not in self._step_answers))
+        if not todo:
+            return
+        answers: list[bool] | None = None
+        if self._client is not None and self._breaker.allow():
+            started = time.monotonic()
+            try:
+                answers = self._client.exists_many([cache_key(i) for i in todo])
+            except Exception as exc:
+                self._breaker.record_failure()
+                self._counters.add("exists_failed")
+                self._warn_once(
+                    "exists",
+                    "ec-cache: existence check failed, answering 'miss' (%s); further "
+                    "failures are counted in exists_failed",
+                    exc,
+                )
+            else:
+                self._breaker.record_success()
+            self._counters.add("exists_requests")
+            self._counters.add("exists_seconds", time.monotonic() - started)
+            self._note_breaker()
+        if answers is None or len(answers) != len(todo):
+            for identifier in todo:
+                self._step_answers[identifier] = False
+            self._counters.add("misses_outage", len(todo))
+            return
+        for identifier, present in zip(todo, answers, strict=True):
+            present = bool(present)
+            self._step_answers[identifier] = present
+            if present:
+                self._hits.put(identifier, True)
+            else:
+                self._misses.put(identifier, True)
+
+    def _known(self, identifier: str) -> bool | None:
+        """Answer from local state, without the network (``None``: unknown)."""
+        answer = self._step_answers.get(identifier)
+        if answer is not None:
+            return answer
+        if not self._breaker.healthy:
+            return False
+        if self._hits.get(identifier):
+            self._step_answers[identifier] = True
+            self._counters.add("hits_local")
+            return True
+        if self._misses.get(identifier):
+            self._step_answers[identifier] = False
+            return False
+        return None
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """vLLM >= 0.18: called before the scheduler looks at a request's encoder
+        inputs. Batches the existence questions of all of its items that are still
+        to be computed into one request. Never defers the request (always True)."""
+        if self.is_consumer and self.role == ECConnectorRole.SCHEDULER:
+            unknown: list[str] = []
+            for feature in getattr(request, "mm_features", None) or ():
+                pos = feature.mm_position
+                if pos.offset + pos.length <= num_computed_tokens:
+                    continue  # already consumed by the prefill
+                if self._known(feature.identifier) is None:
+                    unknown.append(feature.identifier)
+            if unknown:
+                self._ask(unknown)
+        return True
+
+    def has_cache_item(self, identifier: str) -> bool:
+        """Whether ``identifier``'s encoder output can be loaded from ec-cache."""
+        if not self.is_consumer:
+            return False
+        answer = self._known(identifier)
+        if answer is None:
+            self._ask([identifier])
+            answer = self._step_answers.get(identifier, False)
+        self._counters.add("hits" if answer else "misses")
+        return answer
+
+    def has_caches(self, request: Request) -> list[bool]:
+        """vLLM 0.11.1-0.14 spelling of the scheduler question: one answer per item
+        of ``request``, asked in one round trip. (Not tested: see docs/vllm.md.)"""
+        identifiers = [f.identifier for f in getattr(request, "mm_features", None) or ()]
+        if not self.is_consumer:
+            return [False] * len(identifiers)
+        unknown = [i for i in identifiers if self._known(i) is None]
+        if unknown:
+            self._ask(unknown)
+        return [self.has_cache_item(i) for i in identifiers]
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """Queue a load for item ``index`` of ``request`` when this step answered
+        "present" for it (vLLM calls this for computed items too)."""
+        if not self.is_consumer:
+            return
+        feature = request.mm_features[index]
+        identifier = feature.identifier
+        if not self._step_answers.get(identifier) or identifier in self._pending_loads:
+            return
+        num_embeds: int | None
+        try:
+            num_embeds = int(request.get_num_encoder_embeds(index))
+        except AttributeError:  # older vLLM
+            try:
+                num_embeds = int(feature.mm_position.get_num_embeds())
+            except AttributeError:
+                num_embeds = None
+        self._pending_loads[identifier] = ECCacheLoad(
+            mm_hash=identifier,
+            key=cache_key(identifier),
+            num_embeds=num_embeds,
+            width=self._widths.get(getattr(feature, "modality", "")),
+            req_id=request.request_id,
+            input_id=index,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        meta = ECCacheConnectorMetadata(
+            loads=list(self._pending_loads.values()),
+            scheduled_encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None),
+        )
+        self._pending_loads = {}
+        self._step_answers = {}
+        return meta
+
+    # ------------------------------------------------------------------ worker
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """Fetch this step's items concurrently onto this worker's device."""
+        meta = self._connector_metadata
+        if not isinstance(meta, ECCacheConnectorMetadata) or not meta.loads:
+            return
+        todo = [load for load in meta.loads if load.mm_hash not in encoder_cache]
+        if not todo:
+            return
+        device = torch.device(self.config.device or _default_load_device())
+        started = time.monotonic()
+        results = self._fetch_all(todo, device)
+        failed: list[tuple[ECCacheLoad, str]] = []
+        for load in todo:
+            tensor, error = results[load.mm_hash]
+            if tensor is not None:
+                error = self._check_shape(load, tensor)
+            if error is not None or tensor is None:
+                failed.append((load, error or "not found"))
+                continue
+            encoder_cache[load.mm_hash] = tensor
+            self._known_present.put(load.key, True)
+            self._counters.add("load_items")
+            self._counters.add("load_bytes", tensor.numel() * tensor.element_size())
+        if device.type == "cuda":
+            _make_current_stream_wait_for_loads(device)
+        self._counters.add("load_steps")
+        self._counters.add("load_seconds", time.monotonic() - started)
+        if failed:
+            self._counters.add("load_failed", len(failed))
+            self._handle_load_failures(failed, meta)
+
+    def _check_shape(self, load: ECCacheLoad, tensor: torch.Tensor) -> str | None:
+        if tensor.dim() < 1:
+            return "a 0-d tensor"
+        if load.num_embeds is not None and tensor.shape[0] != load.num_embeds:
+            return f"shape {tuple(tensor.shape)}, but vLLM expects {load.num_embeds} rows"
+        if load.width is not None and tensor.dim() == 2 and tensor.shape[1] != load.width:
+            return f"shape {tuple(tensor.shape)}, but the encoder width is {load.width}"
+        return None
+
+    def _fetch_all(
+        self, loads: list[ECCacheLoad], device: torch.device
+    ) -> dict[str, tuple[torch.Tensor | None, str | None]]:
+        deadline = time.monotonic() + self.config.load_timeout_s
+        if len(loads) == 1:
+            return {loads[0].mm_hash: self._fetch_one(loads[0], device, deadline)}
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self.config.load_concurrency, thread_name_prefix="ec-cache-load"
+            )
+        futures = {
+            load.mm_hash: self._pool.submit(self._fetch_one, load, device, deadline)
+            for load in loads
+        }
+        out: dict[str, tuple[torch.Tensor | None, str | None]] = {}
+        for mm_hash, future in futures.items():
+            try:
+                out[mm_hash] = future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            except Exception as exc:  # timeout of a stuck fetch
+                out[mm_hash] = (None, f"{type(exc).__name__}: {exc}")
+        return out
+
+    def _fetch_one(
+        self, load: ECCacheLoad, device: torch.device, deadline: float
+    ) -> tuple[torch.Tensor | None, str | None]:
+        """Get one entry, retrying transient failures (503, transport errors, a
+        corrupted body) until ``deadline``. A 404 is final."""
+        assert self._load_client is not None
+        delay = 0.05
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                tensor = self._load_client.get(load.key, device=device)
+            except (ec_cache.UnavailableError, ec_cache.TransportError, ec_cache.IntegrityError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # 4xx and anything unexpected: not retried
+                return None, f"{type(exc).__name__}: {exc}"
+            else:
+                if tensor is None:
+                    return None, "not found (404): evicted or deleted since the scheduler asked"
+                return tensor, None
+            if time.monotonic() + delay >= deadline:
+                return None, f"{error} (after {attempt} attempts)"
+            self._counters.add("load_retries")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _handle_load_failures(
+        self, failed: list[tuple[ECCacheLoad, str]], meta: ECCacheConnectorMetadata
+    ) -> None:
+        # Whatever happens next, do not promise these again from the local LRU.
+        for load, _ in failed:
+            self._known_present.discard(load.key)
+        details = "; ".join(f"{load.mm_hash}: {why}" for load, why in failed)
+        recompute = (
+            self.config.on_load_failure == "recompute"
+            and self._tp_world == 1
+            and meta.scheduled_encoder_inputs is not None
+        )
+        if recompute:
+            assert meta.scheduled_encoder_inputs is not None
+            for load, _ in failed:
+                inputs = meta.scheduled_encoder_inputs.setdefault(load.req_id, [])
+                if load.input_id not in inputs:
+                    inputs.append(load.input_id)
+            self._counters.add("load_recomputed", len(failed))
+            logger.warning(
+                "ec-cache: %d encoder output(s) could not be loaded; the encoder "
+                "recomputes them in this step: %s",
+                len(failed),
+                details,
+            )
+            return
+        why_not = (
+            "on_load_failure is 'raise'"
+            if self.config.on_load_failure == "raise"
+            else "recomputing on one rank is only safe with tensor_parallel_size=1"
+            if self._tp_world != 1
+            else "this vLLM does not pass the step's encoder inputs to the connector"
+        )
+        raise RuntimeError(
+            f"ec-cache: could not load {len(failed)} encoder output(s) that the "
+            f"scheduler found in ec-cache ({', '.join(self.config.urls)}, namespace "
+            f"{self.model}/{self.dtype}), and they cannot be recomputed ({why_not}). "
+            f"vLLM cannot run this step without them. {details}"
+        )
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        """Queue ``encoder_cache[mm_hash]`` for a background upload; never blocks on
+        the network."""
+        if not self.save_enabled or self._closed:
+            return
+        if not self.config.save_all_ranks and (
+            _tensor_parallel_rank() != 0 or _prefill_context_parallel_rank() != 0
+        ):
+            self._counters.add("save_skipped_rank")
+            return
+        key = cache_key(mm_hash)
+        if self._known_present.get(key):
+            self._counters.add("save_skipped_known")
+            return
+        tensor = encoder_cache.get(mm_hash)
+        if tensor is None:
+            return
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype != self.dtype:
+            self._counters.add("save_skipped_dtype")
+            self._warn_once(
+                "dtype",
+                "ec-cache: encoder output %s is %s but the namespace dtype is %s; such "
+                "outputs are not saved (set ec_connector_extra_config.dtype)",
+                mm_hash,
+                dtype,
+                self.dtype,
+            )
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        uploader = self._get_uploader()
+        if nbytes > self.config.save_queue_bytes:
+            self._counters.add("save_dropped")
+            self._counters.add("save_dropped_bytes", nbytes)
+            return
+        if tensor.device.type == "cuda":
+            if self._cuda_stager is None:
+                self._cuda_stager = _CudaStager()
+            host, ready = self._cuda_stager.stage(tensor)
+        else:
+            host, ready = _stage_host_tensor(tensor), None
+        if uploader.submit(UploadJob(key=key, tensor=host, nbytes=nbytes, ready=ready)):
+            self._known_present.put(key, True)
+
+    def _get_uploader(self) -> BackgroundUploader:
+        with self._lock:
+            if self._uploader is None:
+                client = _make_client(
+                    self.config, self.model, self.dtype,
+                    timeout=self.config.upload_timeout_s, attempts=2,
+                    raise_on_unavailable=True, concurrency=self.config.upload_threads,
+                )  # fmt: skip
+                self._upload_client = client
+                self._uploader = BackgroundUploader(
+                    client.put,
+                    counters=self._counters,
+                    max_items=self.config.save_queue_items,
+                    max_bytes=self.config.save_queue_bytes,
+                    threads=self.config.upload_threads,
+                )
+            return self._uploader

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: vLLM 0.33.0 on the CPU-only torch 2.13.0, the SDK (editable) and
+# pytest, for tests/vllm (the vLLM encoder-cache connector against vLLM's own classes).
+#
+#   scripts/setup-vllm-venv.sh            # create or update ./.venv-vllm
+#   VENV=/tmp/v scripts/setup-vllm-venv.sh
+#   .venv-vllm/bin/python -m pytest tests/vllm
+#
+# Order matters: torch==2.13.0 first (the CPU build this machine has locally); every
+# later install is --no-deps, so pip never resolves torch itself (vLLM's metadata pins
+# a CUDA torch of several GB). About 2.2 GB on disk, ~90 s with a warm pip cache.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv-vllm}"
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+VLLM_VERSION="0.33.0"
+XGRAMMAR_VERSION="0.2.8"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup-vllm-venv: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --quiet)
+
+have() {  # have DIST VERSION: the venv already holds that exact version
+    "$VENV/bin/python" - "$1" "$2" <<'EOF' 2>/dev/null
+import sys
+from importlib.metadata import version
+v = version(sys.argv[1])
+sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
+EOF
+}
+
+if ! have torch "$TORCH_VERSION"; then
+    echo "setup-vllm-venv: torch==$TORCH_VERSION"
+    "${PIP[@]}" "torch==$TORCH_VERSION"
+fi
+if ! have vllm "$VLLM_VERSION" || ! have xgrammar "$XGRAMMAR_VERSION"; then
+    echo "setup-vllm-venv: vllm==$VLLM_VERSION xgrammar==$XGRAMMAR_VERSION (--no-deps)"
+    "${PIP[@]}" --no-deps "vllm==$VLLM_VERSION" "xgrammar==$XGRAMMAR_VERSION"
+fi
+echo "setup-vllm-venv: pure-Python requirements (--no-deps)"
+"${PIP[@]}" --no-deps -r "$ROOT/tests/vllm/requirements.txt"
+echo "setup-vllm-venv: the SDK (editable, --no-deps)"
+"${PIP[@]}" --no-deps -e "$ROOT/client"
+
+# The torch build must still be the local CPU one (nothing above may have replaced it).
+"$VENV/bin/python" - <<EOF
+import torch
+assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
+from vllm.config import ECTransferConfig, VllmConfig  # noqa: F401
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: F401
+import ec_cache.vllm  # noqa: F401
+print("setup-vllm-venv: ok: torch", torch.__version__, "vllm", __import__("vllm").__version__)
+EOF

@@ -1,0 +1,199 @@
+"""Fixtures for the vLLM connector tests: a real ec-cache server process and vLLM
+configs built the way ``vllm serve --ec-transfer-config '<json>'`` builds them.
+
+Run with the dedicated environment (scripts/setup-vllm-venv.sh)::
+
+    .venv-vllm/bin/python -m pytest tests/vllm
+
+The server runs with the server's own interpreter: ``$EC_CACHE_SERVER_PYTHON``, else
+``<repo>/.venv/bin/python``, else this interpreter when it can import the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _server_python() -> str:
+    env = os.environ.get("EC_CACHE_SERVER_PYTHON")
+    if env:
+        return env
+    venv = ROOT / ".venv" / "bin" / "python"
+    if venv.exists():
+        return str(venv)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import fastapi, uvicorn, app"],
+        cwd=ROOT,
+        capture_output=True,
+    )
+    if probe.returncode == 0:
+        return sys.executable
+    pytest.fail(
+        "no interpreter for the ec-cache server: create .venv (pip install -e '.[test]') "
+        "or set EC_CACHE_SERVER_PYTHON",
+        pytrace=False,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    url: str
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10.0)
+
+    def stats(self) -> dict[str, Any]:
+        with self.http() as c:
+            r = c.get("/stats")
+            r.raise_for_status()
+            data: dict[str, Any] = r.json()
+            return data
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+def start_server(tmp: Path, env_extra: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    data = tmp / "ec-data"
+    data.mkdir(parents=True, exist_ok=True)
+    log = tmp / "server.log"
+    env = dict(os.environ)
+    env.update(
+        {
+            "EC_HOST": "127.0.0.1",
+            "EC_PORT": str(port),
+            "EC_DATA_DIR": str(data),
+            "EC_LOG_LEVEL": "warning",
+        }
+    )
+    env.update(env_extra or {})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [_server_python(), "-m", "app"], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ec-cache server exited at start:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"ec-cache server did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return Server(url=url, data_dir=data, proc=proc, log=log)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One real server for the session; tests isolate themselves by model namespace."""
+    srv = start_server(tmp_path_factory.mktemp("ec-server"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[Server]:
+    """A server of the test's own (to kill it, or to count entries)."""
+    srv = start_server(tmp_path)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def blackhole() -> Iterator[str]:
+    """A URL whose port accepts TCP connections (kernel backlog) but never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def dead_url() -> str:
+    """A URL where nothing listens (connection refused)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def cli_json(extra: dict[str, Any], role: str = "ec_both") -> str:
+    """The ``--ec-transfer-config`` value documented in docs/vllm.md."""
+    return json.dumps(
+        {
+            "ec_connector": "ECCacheConnector",
+            "ec_role": role,
+            "ec_connector_module_path": "ec_cache.vllm",
+            "ec_connector_extra_config": extra,
+        }
+    )
+
+
+@pytest.fixture
+def make_vllm_config() -> Callable[..., Any]:
+    """``VllmConfig`` on the CPU, without a model, with the EC transfer config parsed
+    from its JSON exactly as vLLM's CLI parses ``--ec-transfer-config``."""
+    from pydantic import TypeAdapter
+    from vllm.config import DeviceConfig, ECTransferConfig, ParallelConfig, VllmConfig
+
+    def make(
+        extra: dict[str, Any],
+        role: str = "ec_both",
+        *,
+        model_config: Any = None,
+        tensor_parallel_size: int = 1,
+    ) -> Any:
+        ec = TypeAdapter(ECTransferConfig).validate_json(cli_json(extra, role))
+        kwargs: dict[str, Any] = {
+            "device_config": DeviceConfig(device="cpu"),
+            "ec_transfer_config": ec,
+        }
+        if model_config is not None:
+            kwargs["model_config"] = model_config
+        if tensor_parallel_size != 1:
+            kwargs["parallel_config"] = ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size
+            )
+        return VllmConfig(**kwargs)
+
+    return make

@@ -1,0 +1,568 @@
+"""ECCacheConnector against vLLM 0.33's own classes and a real ec-cache server.
+
+Nothing is mocked between vLLM and the connector or between the connector and the
+server: configs come from vLLM's CLI parser type, the connector from vLLM's factory,
+requests and scheduler outputs are vLLM's classes, the server is ``python -m app``.
+The only substitution is the tensor-parallel rank of a second worker in one process
+(``_tensor_parallel_rank``), since two TP ranks cannot share one process.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import Server
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request
+
+import ec_cache.vllm as ecv
+from ec_cache._vllm.state import cache_key
+from ec_cache.vllm import ECCacheConnector, ECCacheConnectorMetadata
+
+SCHED = ECConnectorRole.SCHEDULER
+WORKER = ECConnectorRole.WORKER
+DTYPE = "bfloat16"
+
+
+def ns() -> str:
+    """A fresh model namespace per test (the session server is shared)."""
+    return f"test/vl-{uuid.uuid4().hex[:8]}"
+
+
+def mm_hash() -> str:
+    return uuid.uuid4().hex + uuid.uuid4().hex  # 64 hex chars, like vLLM's blake3
+
+
+def make_request(
+    identifiers: list[str], *, rows: int = 16, req_id: str | None = None
+) -> Request:
+    """A vLLM request with one image placeholder of ``rows`` tokens per identifier."""
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=ident,
+            mm_position=PlaceholderRange(offset=2 + i * (rows + 2), length=rows),
+        )
+        for i, ident in enumerate(identifiers)
+    ]
+    n = 4 + len(identifiers) * (rows + 2)
+    return Request(
+        req_id or f"req-{uuid.uuid4().hex[:6]}",
+        [0] * n,
+        SamplingParams(max_tokens=1),
+        None,
+        mm_features=features,
+    )
+
+
+def put_raw(server: Server, model: str, key: str, tensor: torch.Tensor) -> int:
+    """Store an entry with plain HTTP (not through the connector)."""
+    body = safetensors.torch.save({"t": tensor.contiguous()})
+    with server.http() as c:
+        r = c.put(f"/ec/{model}/{DTYPE}/{key}", content=body)
+    assert r.status_code in (200, 201), r.text
+    return r.status_code
+
+
+def get_raw(server: Server, model: str, key: str) -> torch.Tensor | None:
+    with server.http() as c:
+        r = c.get(f"/ec/{model}/{DTYPE}/{key}")
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 200, r.text
+    (tensor,) = safetensors.torch.load(r.content).values()
+    return tensor
+
+
+def delete_raw(server: Server, model: str, key: str) -> None:
+    with server.http() as c:
+        assert c.delete(f"/ec/{model}/{DTYPE}/{key}").status_code == 204
+
+
+def embeds(rows: int = 16, width: int = 32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=g).to(torch.bfloat16)
+
+
+@pytest.fixture
+def connector(make_vllm_config: Callable[..., Any]) -> Callable[..., ECCacheConnector]:
+    """Build connectors through vLLM's factory; shut them all down afterwards."""
+    made: list[ECCacheConnector] = []
+
+    def make(
+        role: ECConnectorRole, extra: dict[str, Any], ec_role: str = "ec_both", **kw: Any
+    ) -> ECCacheConnector:
+        config = make_vllm_config(extra, ec_role, **kw)
+        conn = ECConnectorFactory.create_connector(config, role)
+        assert isinstance(conn, ECCacheConnector)
+        made.append(conn)
+        return conn
+
+    yield make  # type: ignore[misc]
+    for conn in made:
+        conn.shutdown()
+
+
+def step(sched: ECCacheConnector, requests: list[Request]) -> tuple[SchedulerOutput, Any]:
+    """What vLLM's scheduler does with the connector in one step: ask, allocate the
+    items it answered present for (and the computed ones), build the metadata."""
+    out = SchedulerOutput.make_empty()
+    for req in requests:
+        sched.ensure_cache_available(req, req.num_computed_tokens)
+        computed = []
+        for i, feature in enumerate(req.mm_features):
+            if not sched.has_cache_item(feature.identifier):
+                computed.append(i)
+            sched.update_state_after_alloc(req, i)
+        if computed:
+            out.scheduled_encoder_inputs[req.request_id] = computed
+    meta = sched.build_connector_meta(out)
+    out.ec_connector_metadata = meta
+    return out, meta
+
+
+# ------------------------------------------------------------------- factory
+
+
+def test_factory_builds_connector_from_cli_json(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    for role in (SCHED, WORKER):
+        conn = connector(role, extra)
+        assert type(conn).__module__ == "ec_cache.vllm"
+        assert conn.role is role
+        assert (conn.model, conn.dtype) == (model, DTYPE)
+        assert conn.is_producer and conn.is_consumer
+
+
+def test_encoder_revision_and_bad_settings(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    conn = connector(
+        SCHED,
+        {"url": server.url, "model": "Qwen/Qwen2.5-VL-7B-Instruct", "dtype": DTYPE,
+         "encoder_revision": "a1b2c3"},
+    )  # fmt: skip
+    assert conn.model == "Qwen/Qwen2.5-VL-7B-Instruct@a1b2c3"
+    with pytest.raises(ValueError, match="unknown key"):
+        connector(SCHED, {"url": server.url, "model": "m", "dtype": DTYPE, "exist_timeout": 1})
+    with pytest.raises(ValueError, match="not a valid ec-cache model namespace"):
+        connector(SCHED, {"url": server.url, "model": "/models/x", "dtype": DTYPE})
+    with pytest.raises(ValueError, match="needs the server"):
+        connector(SCHED, {"model": "m", "dtype": DTYPE})
+
+
+def test_namespace_from_vllm_model_config(
+    server: Server, connector: Callable[..., ECCacheConnector], tmp_path: Any
+) -> None:
+    """dtype comes from vLLM's ModelConfig; a local model path is refused as a
+    namespace until ``model`` is set."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_hidden_layers": 1, "num_key_value_heads": 4, "vocab_size": 1000,
+                "max_position_embeddings": 512, "torch_dtype": "float16",
+            }
+        )
+    )  # fmt: skip
+    model_config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="auto")
+    with pytest.raises(ValueError, match="set ec_connector_extra_config.model"):
+        connector(SCHED, {"url": server.url}, model_config=model_config)
+    conn = connector(SCHED, {"url": server.url, "model": "org/tiny"}, model_config=model_config)
+    assert (conn.model, conn.dtype) == ("org/tiny", "float16")
+
+
+# ------------------------------------------------------------------ scheduler
+
+
+def test_has_cache_item_hit_and_miss(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    present, absent = mm_hash(), mm_hash()
+    lora_id = f"my-adapter:{present}"
+    odd_id = "user image #7 / ünïcode"  # a user-supplied UUID that is not wire-safe
+    put_raw(server, model, present, embeds())
+    put_raw(server, model, lora_id, embeds())
+    put_raw(server, model, cache_key(odd_id), embeds())
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    assert sched.has_cache_item(present) is True
+    assert sched.has_cache_item(absent) is False
+    assert sched.has_cache_item(lora_id) is True
+    assert sched.has_cache_item(f"other-adapter:{present}") is False  # LoRA namespaces
+    assert sched.has_cache_item(odd_id) is True
+    c = sched.counters()
+    assert c["hits"] == 3 and c["misses"] == 2
+    assert c["exists_requests"] == 5  # no batching hook used: one question each
+
+
+def test_one_round_trip_per_request_and_local_positives(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    a, b, c_ = mm_hash(), mm_hash(), mm_hash()
+    put_raw(server, model, a, embeds())
+    put_raw(server, model, b, embeds())
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    req = make_request([a, b, c_])
+    # vLLM calls ensure_cache_available before the per-item questions.
+    assert sched.ensure_cache_available(req, 0) is True
+    assert [sched.has_cache_item(i) for i in (a, b, c_)] == [True, True, False]
+    assert sched.counters()["exists_requests"] == 1
+    sched.build_connector_meta(SchedulerOutput.make_empty())  # end of step
+
+    # Next step: positives come from the local LRU, the miss is asked again.
+    time.sleep(0)  # (miss_ttl_s default 1 s: the miss is still cached too)
+    assert sched.ensure_cache_available(req, 0) is True
+    assert [sched.has_cache_item(i) for i in (a, b, c_)] == [True, True, False]
+    totals = sched.counters()
+    assert totals["exists_requests"] == 1
+    assert totals["hits_local"] == 2
+
+    # Items already consumed by the prefill are not asked about.
+    fresh = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    consumed = req.mm_features[1].mm_position
+    fresh.ensure_cache_available(req, consumed.offset + consumed.length)
+    assert fresh.counters()["exists_requests"] == 1
+    assert fresh.has_cache_item(c_) is False  # answered by that batch
+    assert fresh.counters()["exists_requests"] == 1
+
+
+def test_outage_answers_miss_within_the_time_bound(
+    blackhole: str, dead_url: str, connector: Callable[..., ECCacheConnector]
+) -> None:
+    for url in (blackhole, dead_url):
+        sched = connector(
+            SCHED,
+            {"url": url, "model": ns(), "dtype": DTYPE, "exists_timeout_s": 0.1,
+             "breaker_failures": 2, "breaker_cooldown_s": 30},
+        )  # fmt: skip
+        times = []
+        for _ in range(6):
+            t0 = time.monotonic()
+            assert sched.has_cache_item(mm_hash()) is False
+            times.append(time.monotonic() - t0)
+        # Each network try is bounded (connect + send + read timeouts of 0.1 s)...
+        assert max(times) < 1.0, times
+        # ...and after 2 failures the breaker answers without the network.
+        assert max(times[2:]) < 0.01, times
+        c = sched.counters()
+        assert c["exists_failed"] == 2
+        assert c["misses_outage"] == 6
+        assert sched._breaker.state == "open"
+
+
+def test_server_death_stops_local_positives(
+    own_server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    h = mm_hash()
+    put_raw(own_server, model, h, embeds())
+    sched = connector(
+        SCHED,
+        {"url": own_server.url, "model": model, "dtype": DTYPE, "breaker_failures": 1,
+         "breaker_cooldown_s": 30},
+    )  # fmt: skip
+    assert sched.has_cache_item(h) is True
+    sched.build_connector_meta(SchedulerOutput.make_empty())
+    own_server.stop()
+    # Still in the LRU, but a load would fail: once the server is known to be down,
+    # the scheduler promises nothing.
+    assert sched.has_cache_item(mm_hash()) is False  # fails, opens the breaker
+    sched.build_connector_meta(SchedulerOutput.make_empty())
+    t0 = time.monotonic()
+    assert sched.has_cache_item(h) is False
+    assert time.monotonic() - t0 < 0.01
+
+
+def test_build_connector_meta_carries_the_loads(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    hit, miss = mm_hash(), mm_hash()
+    put_raw(server, model, hit, embeds(rows=16))
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    req = make_request([miss, hit], rows=16, req_id="r-meta")
+    out, meta = step(sched, [req])
+    assert isinstance(meta, ECCacheConnectorMetadata)
+    assert [(x.mm_hash, x.num_embeds, x.req_id, x.input_id) for x in meta.loads] == [
+        (hit, 16, "r-meta", 1)
+    ]
+    assert out.scheduled_encoder_inputs == {"r-meta": [0]}
+    assert meta.scheduled_encoder_inputs is out.scheduled_encoder_inputs
+    # Shipped to a worker process (pickled, as vLLM's executors do), the metadata
+    # still points at that step's encoder inputs.
+    shipped = pickle.loads(pickle.dumps(out))
+    assert shipped.ec_connector_metadata.scheduled_encoder_inputs is shipped.scheduled_encoder_inputs
+    # The state is reset for the next step.
+    assert sched.build_connector_meta(SchedulerOutput.make_empty()).loads == []
+
+
+def test_producer_only_scheduler_never_loads(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    h = mm_hash()
+    put_raw(server, model, h, embeds())
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE}, "ec_producer")
+    assert sched.has_cache_item(h) is False
+    assert sched.counters().get("exists_requests", 0) == 0
+
+
+# --------------------------------------------------------------------- worker
+
+
+def test_worker_saves_in_background_and_loads_equal_tensors(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    producer = connector(WORKER, extra)
+    outputs = {mm_hash(): embeds(rows=16, seed=i) for i in range(3)}
+    encoder_cache = dict(outputs)
+    t0 = time.monotonic()
+    for h in outputs:
+        producer.save_caches(encoder_cache, h)
+    assert time.monotonic() - t0 < 0.5  # enqueue only
+    assert producer.flush(timeout=20)
+    for h, t in outputs.items():  # observed on the server
+        stored = get_raw(server, model, h)
+        assert stored is not None and torch.equal(stored, t)
+    c = producer.counters()
+    assert c["save_created"] == 3 and c["save_bytes"] == 3 * 16 * 32 * 2
+    # Saving again is skipped locally (already known to be stored).
+    producer.save_caches(encoder_cache, next(iter(outputs)))
+    assert producer.counters()["save_skipped_known"] == 1
+
+    sched = connector(SCHED, extra)
+    consumer = connector(WORKER, extra)
+    req = make_request(list(outputs), rows=16)
+    out, meta = step(sched, [req])
+    assert len(meta.loads) == 3 and out.scheduled_encoder_inputs == {}
+    shipped = pickle.loads(pickle.dumps(out))  # scheduler -> worker process
+    consumer.bind_connector_metadata(shipped.ec_connector_metadata)
+    loaded: dict[str, torch.Tensor] = {}
+    consumer.start_load_caches(loaded)
+    consumer.clear_connector_metadata()
+    assert loaded.keys() == outputs.keys()
+    for h, t in outputs.items():
+        assert loaded[h].device.type == "cpu"
+        assert loaded[h].dtype == torch.bfloat16
+        assert torch.equal(loaded[h], t)
+    c = consumer.counters()
+    assert c["load_items"] == 3 and c["load_bytes"] == 3 * 16 * 32 * 2
+
+
+def test_tensor_parallel_duplicates_upload_once(
+    own_server: Server,
+    connector: Callable[..., ECCacheConnector],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = ns()
+    extra = {"url": own_server.url, "model": model, "dtype": DTYPE}
+    h = mm_hash()
+    cache = {h: embeds()}
+    rank0 = connector(WORKER, extra, tensor_parallel_size=2)
+    rank1 = connector(WORKER, extra, tensor_parallel_size=2)
+    rank0.save_caches(cache, h)
+    monkeypatch.setattr(ecv, "_tensor_parallel_rank", lambda: 1)
+    rank1.save_caches(cache, h)
+    assert rank0.flush(20) and rank1.flush(20)
+    assert rank0.counters()["save_created"] == 1
+    assert rank1.counters() == {"save_skipped_rank": 1}
+
+    # With every rank saving, first-writer-wins on the server still stores one entry.
+    h2 = mm_hash()
+    cache2 = {h2: embeds(seed=5)}
+    everyone = {**extra, "save_all_ranks": True}
+    a = connector(WORKER, everyone, tensor_parallel_size=2)
+    b = connector(WORKER, everyone, tensor_parallel_size=2)
+    a.save_caches(cache2, h2)
+    assert a.flush(20)
+    b.save_caches(cache2, h2)
+    assert b.flush(20)
+    assert a.counters()["save_created"] == 1
+    assert b.counters()["save_present"] == 1 and "save_created" not in b.counters()
+    assert own_server.stats()["disk"]["entries"] == 2
+
+
+def test_failed_load_is_recomputed_in_the_same_step(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    kept, lost = mm_hash(), mm_hash()
+    put_raw(server, model, kept, embeds(seed=1))
+    put_raw(server, model, lost, embeds(seed=2))
+    sched = connector(SCHED, extra)
+    worker = connector(WORKER, extra)
+    req = make_request([kept, lost], req_id="r-lost")
+    out, meta = step(sched, [req])
+    assert [x.mm_hash for x in meta.loads] == [kept, lost]
+    delete_raw(server, model, lost)  # evicted between the answer and the load
+    shipped = pickle.loads(pickle.dumps(out))
+    worker.bind_connector_metadata(shipped.ec_connector_metadata)
+    cache: dict[str, torch.Tensor] = {}
+    worker.start_load_caches(cache)
+    assert list(cache) == [kept]
+    # The item now is part of this step's encoder work, which vLLM's model runner
+    # reads from the same SchedulerOutput right after start_load_caches.
+    assert shipped.scheduled_encoder_inputs == {"r-lost": [1]}
+    c = worker.counters()
+    assert c["load_failed"] == 1 and c["load_recomputed"] == 1
+
+
+def test_failed_load_is_loud_when_it_cannot_be_recomputed(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    h = mm_hash()
+    put_raw(server, model, h, embeds())
+    for extra, tp in (
+        ({"on_load_failure": "raise"}, 1),
+        ({}, 2),  # recomputing on one tensor-parallel rank would desync the ranks
+    ):
+        full = {"url": server.url, "model": model, "dtype": DTYPE, **extra}
+        sched = connector(SCHED, full, tensor_parallel_size=tp)
+        worker = connector(WORKER, full, tensor_parallel_size=tp)
+        out, _ = step(sched, [make_request([h])])
+        # The worker's copy of the metadata names an entry that is not there.
+        meta = out.ec_connector_metadata
+        meta.loads[0].key = "gone-" + h
+        worker.bind_connector_metadata(meta)
+        with pytest.raises(RuntimeError, match=f"could not load 1 encoder output.*{h}"):
+            worker.start_load_caches({})
+
+
+def test_wrong_shape_is_not_loaded(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    model = ns()
+    h = mm_hash()
+    put_raw(server, model, h, embeds(rows=8))  # same id, different content size
+    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    sched, worker = connector(SCHED, extra), connector(WORKER, extra)
+    out, _ = step(sched, [make_request([h], rows=16, req_id="r-shape")])
+    worker.bind_connector_metadata(out.ec_connector_metadata)
+    cache: dict[str, torch.Tensor] = {}
+    worker.start_load_caches(cache)
+    assert cache == {} and out.scheduled_encoder_inputs == {"r-shape": [0]}
+
+
+def test_load_outage_is_bounded(
+    blackhole: str, connector: Callable[..., ECCacheConnector]
+) -> None:
+    from ec_cache.vllm import ECCacheLoad
+
+    worker = connector(
+        WORKER,
+        {"url": blackhole, "model": ns(), "dtype": DTYPE, "load_timeout_s": 0.5,
+         "on_load_failure": "raise"},
+    )  # fmt: skip
+    loads = [ECCacheLoad(mm_hash(), mm_hash(), 16, None, "r", i) for i in range(4)]
+    worker.bind_connector_metadata(ECCacheConnectorMetadata(loads=loads))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not load 4"):
+        worker.start_load_caches({})
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_slow_cache_drops_instead_of_blocking(
+    blackhole: str, connector: Callable[..., ECCacheConnector]
+) -> None:
+    worker = connector(
+        WORKER,
+        {"url": blackhole, "model": ns(), "dtype": DTYPE, "save_queue_items": 2,
+         "upload_threads": 1, "upload_timeout_s": 0.3},
+    )  # fmt: skip
+    cache = {mm_hash(): embeds(seed=i) for i in range(6)}
+    t0 = time.monotonic()
+    for h in cache:
+        worker.save_caches(cache, h)
+    assert time.monotonic() - t0 < 0.5
+    c = worker.counters()
+    assert c["save_enqueued"] == 2 and c["save_dropped"] == 4
+    assert c["save_dropped_bytes"] == 4 * 16 * 32 * 2
+
+
+def test_dtype_mismatch_is_not_saved(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    worker = connector(WORKER, {"url": server.url, "model": ns(), "dtype": DTYPE})
+    h = mm_hash()
+    worker.save_caches({h: torch.zeros(4, 4, dtype=torch.float32)}, h)
+    assert worker.counters() == {"save_skipped_dtype": 1}
+
+
+def test_consumer_only_worker_does_not_save(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    worker = connector(
+        WORKER, {"url": server.url, "model": ns(), "dtype": DTYPE}, "ec_consumer"
+    )
+    h = mm_hash()
+    worker.save_caches({h: embeds()}, h)
+    assert worker.flush(5) and worker.counters() == {}
+
+
+# ---------------------------------------------------------------------- stats
+
+
+def test_stats_through_vllm_hooks(
+    server: Server,
+    connector: Callable[..., ECCacheConnector],
+    make_vllm_config: Callable[..., Any],
+) -> None:
+    from prometheus_client import REGISTRY
+    from vllm.distributed.ec_transfer.ec_connector.metrics import (
+        ECConnectorLogging,
+        ECConnectorProm,
+    )
+
+    model = ns()
+    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    h = mm_hash()
+    put_raw(server, model, h, embeds())
+    sched = connector(SCHED, extra)
+    sched.has_cache_item(h)
+    sched.has_cache_item(mm_hash())
+    stats = sched.get_ec_connector_stats()
+    assert stats is not None and not stats.is_empty()
+    assert sched.get_ec_connector_stats() is None  # per interval
+    worker_stats = type(stats)(data={"hits": 1, "load_items": 2})
+    merged = worker_stats.aggregate(stats)  # what vLLM's scheduler does
+    reduced = merged.reduce()
+    assert reduced["hits"] == 2 and reduced["misses"] == 1 and reduced["hit_rate"] == 0.6667
+    assert "exists_avg_ms" in reduced
+
+    config = make_vllm_config(extra)
+    logging_ = ECConnectorLogging(config.ec_transfer_config)
+    logging_.observe(merged.data)
+    lines: list[str] = []
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    assert lines and "hit_rate=0.6667" in lines[0]
+
+    prom = ECConnectorProm(config, ["engine"], {0: ["0"]})
+    prom.observe(merged.data, 0)
+    value = REGISTRY.get_sample_value("vllm:ec_cache_hits_total", {"engine": "0"})
+    assert value == 2
