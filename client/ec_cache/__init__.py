@@ -1,0 +1,55 @@
+"""ec-cache SDK: store and load multimodal encoder outputs (tensors) in a shared cache.
+
+>>> import torch, ec_cache
+>>> cache = ec_cache.Client("http://127.0.0.1:8080", model="llava-hf/llava-1.5-7b-hf",
+...                         dtype="bfloat16")                         # doctest: +SKIP
+>>> cache.put("0f3a...", torch.zeros(576, 4096, dtype=torch.bfloat16))  # doctest: +SKIP
+True
+>>> cache.get("0f3a...", device="cuda:0").shape                      # doctest: +SKIP
+torch.Size([576, 4096])
+
+:class:`AsyncClient` has the same methods as coroutines. Misses are ``None``; every
+error is an :class:`ECCacheError` (see :mod:`ec_cache._exceptions` for the tree).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._async_client import AsyncClient
+from ._buffers import BufferPool
+from ._client import Client
+from ._config import Limits, Retries, Timeouts
+from ._exceptions import (
+    ConnectError,
+    ECCacheError,
+    IntegrityError,
+    InvalidKeyError,
+    InvalidTensorError,
+    ServerError,
+    TransportError,
+    TransportTimeout,
+    UnavailableError,
+)
+from ._tensors import DTYPES, EntryInfo
+
+__all__ = [
+    "DTYPES",
+    "AsyncClient",
+    "BufferPool",
+    "Client",
+    "ConnectError",
+    "ECCacheError",
+    "EntryInfo",
+    "IntegrityError",
+    "InvalidKeyError",
+    "InvalidTensorError",
+    "Limits",
+    "Retries",
+    "ServerError",
+    "Timeouts",
+    "TransportError",
+    "TransportTimeout",
+    "UnavailableError",
+    "__version__",
+]

@@ -1,0 +1,340 @@
+"""What the sync and async clients share: paths, request bodies, response checks and
+the sans-I/O receiving of a tensor body."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import torch
+
+from . import _cuda
+from ._buffers import BufferPool, PooledBuffer
+from ._crc import Crc32c
+from ._exceptions import (
+    ConnectError,
+    ECCacheError,
+    IntegrityError,
+    InvalidTensorError,
+    ServerError,
+    TransportError,
+    TransportTimeout,
+)
+from ._http11 import split_chunks
+from ._tensors import (
+    DTYPES,
+    EntryInfo,
+    TensorMeta,
+    build_header,
+    check_tensor,
+    parse_header,
+    parse_header_length,
+    parse_shape,
+    tensor_memoryview,
+)
+
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, called as a body goes out or comes in."""
+
+EXISTS_BATCH = 1000
+
+
+class RetryableStatus(Exception):
+    """Internal: an answer whose status is in ``Retries.statuses``."""
+
+    def __init__(self, error: ServerError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def to_ec_error(exc: BaseException | None, url: str) -> ECCacheError:
+    """Map the last failure of a call to the SDK's exceptions."""
+    if isinstance(exc, RetryableStatus):
+        return exc.error
+    if isinstance(exc, ECCacheError):
+        return exc
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return ConnectError(f"cannot connect to {url}: {exc}", url=url)
+    if isinstance(exc, httpx.TimeoutException):
+        return TransportTimeout(f"{url}: {type(exc).__name__}: {exc}", url=url)
+    return TransportError(f"{url}: {type(exc).__name__}: {exc}", url=url)
+
+
+def default_headers(token: str | None, extra: dict[str, str] | None) -> dict[str, str]:
+    from . import __version__
+
+    headers = {"User-Agent": f"ec-cache-python/{__version__}", "Accept-Encoding": "identity"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if extra:
+        headers.update(extra)
+    return headers
+
+
+def error_for(resp: httpx.Response, body: bytes, url: str) -> ServerError:
+    return ServerError.from_response(
+        resp.status_code, body, url=url, retry_after=resp.headers.get("retry-after")
+    )
+
+
+def entry_info(hash: str, resp: httpx.Response, url: str) -> EntryInfo:
+    h = resp.headers
+    try:
+        shape = parse_shape(h.get("x-ec-shape", ""))
+        size = int(h.get("content-length", "0"))
+    except ValueError as exc:
+        raise IntegrityError(f"bad X-EC-Shape/Content-Length from {url}: {exc}") from None
+    return EntryInfo(
+        hash=hash,
+        dtype=h.get("x-ec-dtype", ""),
+        shape=shape,
+        size=size,
+        crc32c=h.get("x-ec-crc32c"),
+        tier=h.get("x-ec-tier"),
+        url=url,
+    )
+
+
+# -- PUT ------------------------------------------------------------------------------
+class PutBody(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A PUT body: the safetensors header, then the tensor's own bytes (8 MiB slices of
+    one ``memoryview``, so each socket write is bounded and progress can be shown).
+    Re-iterable, so a retried PUT sends the same memory again."""
+
+    def __init__(
+        self,
+        header: bytes,
+        data: memoryview,
+        *,
+        keepalive: object,
+        lease: PooledBuffer | None,
+    ) -> None:
+        self.header = header
+        self.data = data
+        self.length = len(header) + len(data)
+        crc = Crc32c()
+        crc.update(header)
+        crc.update(data)
+        self.crc32c = crc.hexdigest()
+        self.progress: Progress | None = None
+        self._keepalive = keepalive
+        self._lease = lease
+
+    def _chunks(self) -> list[bytes | memoryview]:
+        return [self.header, *split_chunks(self.data)]
+
+    def __iter__(self) -> Iterator[bytes]:
+        done = 0
+        for chunk in self._chunks():
+            yield chunk  # type: ignore[misc]  # memoryviews: bytes-like, sent as they are
+            done += len(chunk)
+            if self.progress is not None:
+                self.progress(done, self.length)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.__iter__():
+            yield chunk
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "Content-Length": str(self.length),
+            "Content-Type": "application/octet-stream",
+            "X-EC-CRC32C": self.crc32c,
+        }
+
+    def release(self) -> None:
+        lease, self._lease = self._lease, None
+        self._keepalive = None
+        if lease is not None:
+            lease.release()
+
+
+def encode_put(tensor: torch.Tensor, dtype: str, pool: BufferPool) -> PutBody:
+    """The PUT body for ``tensor``: no copy for a contiguous CPU tensor, one
+    ``.contiguous()`` for a strided one, one staging copy for a device tensor."""
+    tensor = check_tensor(tensor, dtype)
+    header = build_header(dtype, tuple(tensor.shape))
+    if tensor.device.type == "cpu":
+        contiguous = tensor if tensor.is_contiguous() else tensor.contiguous()
+        return PutBody(header, tensor_memoryview(contiguous), keepalive=contiguous, lease=None)
+    lease = _cuda.stage_to_host(tensor, pool)
+    nbytes = tensor.numel() * tensor.element_size()
+    return PutBody(header, lease.view(nbytes), keepalive=None, lease=lease)
+
+
+# -- GET ------------------------------------------------------------------------------
+class Receiver:
+    """Receives one GET body (sans-I/O): the callers read the 8-byte prefix, then the
+    header, then fill :meth:`plan`'s target, then call :meth:`finish`.
+
+    The data goes straight into the destination when that is a contiguous CPU tensor
+    (a fresh one, or ``out``); otherwise into a pooled staging buffer (pinned when CUDA
+    is available) followed by one copy to the device / into ``out``. The returned
+    tensor never aliases a pooled buffer.
+    """
+
+    def __init__(
+        self,
+        *,
+        dtype: str,
+        resp: httpx.Response,
+        url: str,
+        device: torch.device | str | None,
+        out: torch.Tensor | None,
+        pool: BufferPool,
+        verify: bool,
+    ) -> None:
+        self.dtype = dtype
+        self.url = url
+        self.headers = resp.headers
+        length = resp.headers.get("content-length")
+        self.total = int(length) if length is not None and length.isdigit() else None
+        self.out = out
+        if device is None:
+            self.device = out.device if out is not None else torch.device("cpu")
+        else:
+            self.device = torch.device(device)
+        self.pool = pool
+        self.verify = verify
+        self.crc = Crc32c()
+        self.meta: TensorMeta | None = None
+        self._result: torch.Tensor | None = None
+        self._lease: PooledBuffer | None = None
+        self.received = 0
+
+    def header_length(self, prefix: bytes) -> int:
+        return parse_header_length(prefix, self.total)
+
+    def plan(self, header: bytes) -> memoryview:
+        """Check the header against the client and the ``X-EC-*`` headers, and return
+        the memory the tensor data must be received into."""
+        meta = parse_header(header, total=self.total)
+        self.meta = meta
+        h = self.headers
+        if meta.dtype != self.dtype:
+            raise IntegrityError(f"{self.url}: body holds {meta.dtype}, client wants {self.dtype}")
+        wire_dtype = h.get("x-ec-dtype")
+        if wire_dtype is not None and wire_dtype != meta.dtype:
+            raise IntegrityError(f"X-EC-Dtype {wire_dtype} but body holds {meta.dtype}")
+        wire_shape = h.get("x-ec-shape")
+        if wire_shape is not None:
+            try:
+                shape = parse_shape(wire_shape)
+            except ValueError:
+                raise IntegrityError(f"bad X-EC-Shape {wire_shape!r}") from None
+            if shape != meta.shape:
+                raise IntegrityError(f"X-EC-Shape {wire_shape} but body holds {list(meta.shape)}")
+        offset = h.get("x-ec-data-offset")
+        if offset is not None and offset != str(meta.data_offset):
+            raise IntegrityError(f"X-EC-Data-Offset {offset} but data starts at {meta.data_offset}")
+
+        torch_dtype = DTYPES[meta.dtype][0]
+        out = self.out
+        if out is not None:
+            if out.dtype != torch_dtype or tuple(out.shape) != meta.shape:
+                raise InvalidTensorError(
+                    f"out= is {out.dtype}{list(out.shape)}, entry is "
+                    f"{torch_dtype}{list(meta.shape)}"
+                )
+            if out.device.type == "cpu" and out.is_contiguous():
+                self._result = out
+                return tensor_memoryview(out)
+        elif self.device.type == "cpu":
+            self._result = torch.empty(meta.shape, dtype=torch_dtype)
+            return tensor_memoryview(self._result)
+        self._lease = self.pool.acquire(meta.nbytes)
+        return self._lease.view(meta.nbytes)
+
+    def finish(self) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None
+        if self.verify:
+            expected = self.headers.get("x-ec-crc32c")
+            if expected is None:
+                raise IntegrityError(f"{self.url}: response carries no X-EC-CRC32C")
+            if expected.lower() != self.crc.hexdigest():
+                raise IntegrityError(
+                    f"{self.url}: CRC32C of the body is {self.crc.hexdigest()}, "
+                    f"X-EC-CRC32C says {expected}"
+                )
+        if self._result is not None:
+            return self._result
+        lease = self._lease
+        assert lease is not None
+        torch_dtype = DTYPES[meta.dtype][0]
+        staged = _typed_view(lease.tensor, meta.nbytes, torch_dtype, meta.shape)
+        try:
+            if self.out is not None and self.out.device.type == "cpu":
+                self.out.copy_(staged)
+                return self.out
+            return _cuda.copy_to_device(staged, lease, self.out.device if self.out is not None
+                                        else self.device, self.out)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+
+def _typed_view(
+    raw: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """``raw[:nbytes]`` (uint8) seen as ``dtype`` of ``shape``, without copying."""
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw[:nbytes].view(dtype).view(shape)
+
+
+def check_body_end(extra: int) -> None:
+    if extra:
+        raise IntegrityError("body is longer than its safetensors header describes")
+
+
+class IterReader:
+    """``readinto`` over a plain httpx byte iterator (stock transports, https)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._left = memoryview(b"")
+
+    def readinto(self, mv: memoryview) -> int:
+        while not self._left:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._left = memoryview(chunk)
+        n = min(len(mv), len(self._left))
+        mv[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+
+class AsyncIterReader:
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+        self._left = memoryview(b"")
+
+    async def readinto(self, mv: memoryview) -> int:
+        while not self._left:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                return 0
+            self._left = memoryview(chunk)
+        n = min(len(mv), len(self._left))
+        mv[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+
+def json_body(resp_content: bytes, url: str) -> Any:
+    import json
+
+    try:
+        return json.loads(resp_content)
+    except ValueError:
+        raise TransportError(f"{url}: answer is not JSON", url=url) from None

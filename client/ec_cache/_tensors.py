@@ -1,0 +1,256 @@
+"""Dtypes, keys, and the single-tensor safetensors format.
+
+The body of every PUT and GET is a safetensors file holding exactly one tensor::
+
+    u64 little-endian N | N bytes of JSON header (space padded) | raw C-order data
+
+The SDK builds the header itself and sends it followed by the tensor's own memory, and
+reads the data of a GET straight into the destination's memory; nothing here copies
+tensor data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._exceptions import IntegrityError, InvalidKeyError, InvalidTensorError
+
+__all__ = [
+    "DTYPES",
+    "EntryInfo",
+    "TensorMeta",
+    "build_header",
+    "dtype_name",
+    "parse_dtype",
+    "parse_header",
+    "parse_header_length",
+    "tensor_memoryview",
+]
+
+TENSOR_NAME = "tensor"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+
+# wire name -> (torch dtype, safetensors dtype code). Keep in sync with DESIGN.md.
+DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "float32": (torch.float32, "F32"),
+    "float16": (torch.float16, "F16"),
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "float64": (torch.float64, "F64"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
+    "int8": (torch.int8, "I8"),
+    "uint8": (torch.uint8, "U8"),
+    "int16": (torch.int16, "I16"),
+    "int32": (torch.int32, "I32"),
+    "int64": (torch.int64, "I64"),
+    "bool": (torch.bool, "BOOL"),
+}
+_BY_TORCH = {dt: name for name, (dt, _) in DTYPES.items()}
+_BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
+
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._@+-]+$")
+_HASH_RE = re.compile(r"^[A-Za-z0-9._:-]{1,256}$")
+
+
+def parse_dtype(dtype: torch.dtype | str) -> str:
+    """The wire name of ``dtype`` (a ``torch.dtype``, ``"bfloat16"`` or
+    ``"torch.bfloat16"``); raises ``InvalidKeyError`` for anything ec-cache does not
+    store.
+
+    >>> parse_dtype(torch.bfloat16), parse_dtype("torch.float8_e4m3fn")
+    ('bfloat16', 'float8_e4m3fn')
+    """
+    if isinstance(dtype, torch.dtype):
+        name = _BY_TORCH.get(dtype)
+        if name is None:
+            raise InvalidKeyError(f"dtype {dtype} is not stored by ec-cache")
+        return name
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in DTYPES:
+            return name
+    raise InvalidKeyError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return parse_dtype(dtype)
+
+
+def check_model(model: str) -> str:
+    """Validate a model name (``/``-separated segments); returns it unchanged."""
+    if not isinstance(model, str) or not model:
+        raise InvalidKeyError("model must be a non-empty string")
+    if len(model.encode()) > 256:
+        raise InvalidKeyError("model is longer than 256 bytes")
+    for segment in model.split("/"):
+        if segment in ("", ".", "..") or not _SEGMENT_RE.match(segment):
+            raise InvalidKeyError(
+                f"model {model!r}: segment {segment!r} is not letters, digits, . _ @ + -"
+            )
+    return model
+
+
+def check_hash(value: str) -> str:
+    if not isinstance(value, str) or not _HASH_RE.match(value):
+        raise InvalidKeyError(
+            f"hash {value!r} is not 1-256 characters of letters, digits, . _ : -"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What a single-tensor safetensors header describes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    header_length: int  # N, the JSON length
+
+    @property
+    def data_offset(self) -> int:
+        return 8 + self.header_length
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][0].itemsize
+
+    @property
+    def total(self) -> int:
+        return self.data_offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """What ``HEAD`` says about an entry (``Client.head``)."""
+
+    hash: str
+    dtype: str
+    shape: tuple[int, ...]
+    size: int
+    """Bytes of the whole safetensors body."""
+    crc32c: str | None
+    tier: str | None
+    """Which tier answered: ``"disk"`` or ``"s3"``."""
+    url: str
+    """The replica that answered."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return math.prod(self.shape) * DTYPES[self.dtype][0].itemsize
+
+
+def build_header(dtype: str, shape: tuple[int, ...] | list[int]) -> bytes:
+    """The first ``8 + N`` bytes of the body: length prefix and JSON header, padded
+    with spaces so that the data starts 8-byte aligned (as safetensors writes it).
+
+    >>> h = build_header("bfloat16", (2, 3)); len(h) % 8, h[8:].rstrip()
+    (0, b'{"tensor":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]}}')
+    """
+    torch_dtype, code = DTYPES[dtype]
+    nbytes = math.prod(shape) * torch_dtype.itemsize
+    text = json.dumps(
+        {TENSOR_NAME: {"dtype": code, "shape": [int(d) for d in shape],
+                       "data_offsets": [0, nbytes]}},
+        separators=(",", ":"),
+    ).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def parse_header_length(prefix: bytes | bytearray | memoryview, total: int | None) -> int:
+    """N from the 8-byte prefix, checked against the body length."""
+    if len(prefix) != 8:
+        raise IntegrityError("body shorter than the 8-byte safetensors prefix")
+    (n,) = struct.unpack("<Q", prefix)
+    limit = MAX_HEADER_BYTES if total is None else min(MAX_HEADER_BYTES, total - 8)
+    if n < 2 or n > limit:
+        raise IntegrityError(f"safetensors header length {n} is not plausible")
+    return int(n)
+
+
+def parse_header(
+    header: bytes | bytearray | memoryview, *, total: int | None = None
+) -> TensorMeta:
+    """Parse and check a single-tensor safetensors JSON header.
+
+    ``total`` (the body length, when known) must equal ``8 + N + nbytes``.
+    Raises ``IntegrityError`` for anything else than exactly one dense tensor.
+    """
+    try:
+        data: Any = json.loads(bytes(header))
+    except ValueError as exc:
+        raise IntegrityError(f"safetensors header is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise IntegrityError("safetensors header is not a JSON object")
+    entries = {k: v for k, v in data.items() if k != "__metadata__"}
+    if len(entries) != 1:
+        raise IntegrityError(f"body holds {len(entries)} tensors, expected exactly one")
+    (entry,) = entries.values()
+    if not isinstance(entry, dict):
+        raise IntegrityError("safetensors tensor entry is not an object")
+    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if code not in _BY_CODE:
+        raise IntegrityError(f"safetensors dtype {code!r} is not stored by ec-cache")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise IntegrityError(f"safetensors shape {shape!r} is not a list of sizes")
+    meta = TensorMeta(_BY_CODE[code], tuple(shape), len(header))
+    if offsets != [0, meta.nbytes]:
+        raise IntegrityError(
+            f"safetensors data_offsets {offsets!r} do not match shape {shape} ({meta.nbytes} B)"
+        )
+    if total is not None and meta.total != total:
+        raise IntegrityError(f"body is {total} bytes but its header describes {meta.total}")
+    return meta
+
+
+def format_shape(shape: tuple[int, ...]) -> str:
+    return ",".join(str(d) for d in shape)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    text = text.strip()
+    if not text:
+        return ()
+    return tuple(int(part) for part in text.split(","))
+
+
+def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
+    """A writable ``memoryview`` (format ``B``) over a contiguous CPU tensor's bytes.
+
+    No copy is made and numpy is not needed. The view keeps ``tensor`` alive.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise InvalidTensorError("tensor_memoryview needs a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    array._ec_keepalive = tensor  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
+
+
+def check_tensor(tensor: object, dtype: str) -> torch.Tensor:
+    """Accept ``tensor`` for a PUT of ``dtype`` or raise ``InvalidTensorError``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise InvalidTensorError(f"only dense tensors can be stored, not {tensor.layout}")
+    if tensor.device.type == "meta":
+        raise InvalidTensorError("a meta tensor has no data to store")
+    if tensor.dtype != DTYPES[dtype][0]:
+        raise InvalidTensorError(
+            f"tensor dtype {tensor.dtype} does not match the client's dtype {dtype}"
+        )
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian torch targets
+        raise InvalidTensorError("ec-cache bodies are little-endian; this host is not")
+    return tensor
