@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint typecheck unit-tests bench bench-quick clean
+.PHONY: run test lint typecheck pytest-suite deploy-check bench clean
 
 $(VENV)/.server: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ run: $(VENV)/.server
 	$(PY) -m app
 
 ## test: create the environments, lint, type-check and run the whole test suite
-test: lint typecheck unit-tests
+test: lint typecheck deploy-check pytest-suite
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check app client bench tests
@@ -34,8 +34,13 @@ lint: $(VENV)/.test
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy app client/ec_cache
 
-unit-tests: $(VENV)/.test
-	$(PY) -m pytest tests
+# Server, SDK, S3 and end-to-end tests; tests/deploy runs under deploy-check with its tools.
+pytest-suite: $(VENV)/.test
+	$(PY) -m pytest tests --ignore=tests/deploy
+
+## deploy-check: hadolint, compose config, helm lint/template, schema validation, tests/deploy
+deploy-check:
+	bash deploy/check.sh
 
 ## bench: the full benchmark run (see bench/README.md)
 bench: $(VENV)/.test
