@@ -122,7 +122,8 @@ class AsyncClient:
             try:
                 if response.status_code == 200:
                     return await self._receive(response, url, dev, out, progress)
-                return await self._miss(response, url)
+                await self._miss(response, url)
+                return None
             finally:
                 await response.aclose()
 
@@ -136,7 +137,8 @@ class AsyncClient:
             response = await self._http.send(self._http.build_request("HEAD", url + path))
             if response.status_code == 200:
                 return _core.entry_info(hash, response, url)
-            return await self._miss(response, url)
+            await self._miss(response, url)
+            return None
 
         return await self._call(self._order(hash), op)
 
@@ -320,12 +322,18 @@ class AsyncClient:
         progress: Progress | None,
     ) -> torch.Tensor:
         rx = Receiver(
-            dtype=self.dtype, resp=response, url=url, device=device, out=out,
-            pool=self.pool, verify=self.verify,
+            dtype=self.dtype,
+            resp=response,
+            url=url,
+            device=device,
+            out=out,
+            pool=self.pool,
+            verify=self.verify,
         )
         body = response.extensions.get("ec_body")
         readinto: _ReadInto = (
-            body.readinto if isinstance(body, AsyncBody)
+            body.readinto
+            if isinstance(body, AsyncBody)
             else AsyncIterReader(response.aiter_raw()).readinto
         )
         try:

@@ -8,6 +8,7 @@ bodies go from and into caller memory without intermediate copies. ``asyncio`` o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import select
 import socket
 import time
@@ -42,10 +43,8 @@ class _Conn(ConnBuffer):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
 
     def dropped(self) -> bool:
         poller = select.poll()
@@ -164,7 +163,9 @@ class AsyncBody(httpx.AsyncByteStream):
             mv = mv[: self._chunk_left]
         n = await conn.readinto(mv)
         if n == 0:
-            raise httpx.RemoteProtocolError("connection closed inside a chunk", request=self._request)
+            raise httpx.RemoteProtocolError(
+                "connection closed inside a chunk", request=self._request
+            )
         self._chunk_left -= n
         return n
 

@@ -157,7 +157,8 @@ class Client:
             try:
                 if response.status_code == 200:
                     return self._receive(response, url, device, out, progress)
-                return self._miss(response, url)
+                self._miss(response, url)
+                return None
             finally:
                 response.close()
 
@@ -172,7 +173,8 @@ class Client:
             response = self._http.send(self._http.build_request("HEAD", url + path))
             if response.status_code == 200:
                 return _core.entry_info(hash, response, url)
-            return self._miss(response, url)
+            self._miss(response, url)
+            return None
 
         return self._call(self._order(hash), op)
 
@@ -299,9 +301,8 @@ class Client:
                 if not isinstance(present, list) or len(present) != len(batch):
                     raise TransportError(f"{url}: malformed _exists answer", url=url)
                 return [bool(v) for v in present]
-            if self._miss(response, url) is None:
-                return [False] * len(batch)
-            raise AssertionError("unreachable")  # pragma: no cover
+            self._miss(response, url)
+            return [False] * len(batch)
 
         return self._call(order, op)
 
@@ -361,12 +362,18 @@ class Client:
         progress: Progress | None,
     ) -> torch.Tensor:
         rx = Receiver(
-            dtype=self.dtype, resp=response, url=url, device=device, out=out,
-            pool=self.pool, verify=self.verify,
+            dtype=self.dtype,
+            resp=response,
+            url=url,
+            device=device,
+            out=out,
+            pool=self.pool,
+            verify=self.verify,
         )
         body = response.extensions.get("ec_body")
         readinto: Callable[[memoryview], int] = (
-            body.readinto if isinstance(body, SyncBody)
+            body.readinto
+            if isinstance(body, SyncBody)
             else IterReader(response.iter_raw()).readinto
         )
         try:

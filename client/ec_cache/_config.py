@@ -34,9 +34,7 @@ class Timeouts:
         return cls(value, value, value, value)
 
     def to_httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(
-            connect=self.connect, read=self.read, write=self.write, pool=self.pool
-        )
+        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +57,8 @@ class Retries:
     404, 4xx and 503 are answers, not failures, and are never retried (503 means
     "unknown"; for a cache a quick miss beats waiting).
 
-    >>> Retries(attempts=5, backoff=0.2)
-    Retries(attempts=5, backoff=0.2, max_backoff=2.0, statuses=frozenset({502, 504}), retry_put=True)
+    >>> Retries(attempts=5, backoff=0.2).attempts
+    5
     """
 
     attempts: int = 3
@@ -83,7 +81,7 @@ class Retries:
     def delay(self, retry: int) -> float:
         """Seconds to sleep before retry number ``retry`` (1-based), with full jitter
         on the upper half."""
-        base = min(self.max_backoff, self.backoff * (2 ** (retry - 1)))
+        base = min(self.max_backoff, self.backoff * 2.0 ** (retry - 1))
         return base / 2 + random.random() * base / 2
 
 

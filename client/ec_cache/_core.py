@@ -269,8 +269,9 @@ class Receiver:
             if self.out is not None and self.out.device.type == "cpu":
                 self.out.copy_(staged)
                 return self.out
-            return _cuda.copy_to_device(staged, lease, self.out.device if self.out is not None
-                                        else self.device, self.out)
+            return _cuda.copy_to_device(
+                staged, lease, self.out.device if self.out is not None else self.device, self.out
+            )
         finally:
             self.release()
 

@@ -36,7 +36,7 @@ def _load_native() -> Callable[[int, int, int], int] | None:
         fn.restype = ctypes.c_uint32
         fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
         if fn(0, ctypes.cast(ctypes.c_char_p(b"123456789"), ctypes.c_void_p), 9) == 0xE3069283:
-            return fn  # type: ignore[no-any-return]
+            return fn
     return None
 
 

@@ -60,7 +60,7 @@ def copy_to_device(
     if device.type == "cuda":
         with torch.cuda.device(device):
             out.copy_(staged, non_blocking=buf.tensor.is_pinned())
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(device))
             buf.event = event
     else:

@@ -101,9 +101,7 @@ def check_model(model: str) -> str:
 
 def check_hash(value: str) -> str:
     if not isinstance(value, str) or not _HASH_RE.match(value):
-        raise InvalidKeyError(
-            f"hash {value!r} is not 1-256 characters of letters, digits, . _ : -"
-        )
+        raise InvalidKeyError(f"hash {value!r} is not 1-256 characters of letters, digits, . _ : -")
     return value
 
 
@@ -159,8 +157,13 @@ def build_header(dtype: str, shape: tuple[int, ...] | list[int]) -> bytes:
     torch_dtype, code = DTYPES[dtype]
     nbytes = math.prod(shape) * torch_dtype.itemsize
     text = json.dumps(
-        {TENSOR_NAME: {"dtype": code, "shape": [int(d) for d in shape],
-                       "data_offsets": [0, nbytes]}},
+        {
+            TENSOR_NAME: {
+                "dtype": code,
+                "shape": [int(d) for d in shape],
+                "data_offsets": [0, nbytes],
+            }
+        },
         separators=(",", ":"),
     ).encode()
     text += b" " * (-(8 + len(text)) % 8)
@@ -178,9 +181,7 @@ def parse_header_length(prefix: bytes | bytearray | memoryview, total: int | Non
     return int(n)
 
 
-def parse_header(
-    header: bytes | bytearray | memoryview, *, total: int | None = None
-) -> TensorMeta:
+def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = None) -> TensorMeta:
     """Parse and check a single-tensor safetensors JSON header.
 
     ``total`` (the body length, when known) must equal ``8 + N + nbytes``.

@@ -17,6 +17,7 @@ httpx's API (requests, headers, timeouts, event hooks) but does the socket work 
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -44,10 +45,8 @@ class _Conn(ConnBuffer):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
 
     def dropped(self) -> bool:
         """True when the server closed (or sent something unexpected) while idle."""
@@ -159,7 +158,9 @@ class SyncBody(httpx.SyncByteStream):
             mv = mv[: self._chunk_left]
         n = conn.readinto(mv)
         if n == 0:
-            raise httpx.RemoteProtocolError("connection closed inside a chunk", request=self._request)
+            raise httpx.RemoteProtocolError(
+                "connection closed inside a chunk", request=self._request
+            )
         self._chunk_left -= n
         return n
 
@@ -301,7 +302,10 @@ class SyncTransport(httpx.BaseTransport):
     def _send(conn: _Conn, head: bytes, request: httpx.Request) -> None:
         sock = conn.sock
         pending = head
-        for chunk in request.stream:
+        stream = request.stream
+        if not isinstance(stream, httpx.SyncByteStream):
+            raise TypeError("SyncTransport needs a sync request stream")
+        for chunk in stream:
             if len(chunk) < SEND_COALESCE:
                 pending += chunk
                 continue

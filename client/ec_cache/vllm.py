@@ -238,7 +238,8 @@ class ECCacheConnectorConfig:
             dtype=opt_str("dtype"),
             token=opt_str("token") or os.environ.get("EC_CACHE_TOKEN") or None,
             exists_timeout_s=_as_float(
-                extra.get("exists_timeout_s", cls.exists_timeout_s), "exists_timeout_s",
+                extra.get("exists_timeout_s", cls.exists_timeout_s),
+                "exists_timeout_s",
                 minimum=0.001,
             ),
             hit_cache_size=_as_int(
@@ -247,7 +248,8 @@ class ECCacheConnectorConfig:
             hit_ttl_s=None if hit_ttl_raw is None else _as_float(hit_ttl_raw, "hit_ttl_s"),
             miss_ttl_s=_as_float(extra.get("miss_ttl_s", cls.miss_ttl_s), "miss_ttl_s"),
             breaker_failures=_as_int(
-                extra.get("breaker_failures", cls.breaker_failures), "breaker_failures",
+                extra.get("breaker_failures", cls.breaker_failures),
+                "breaker_failures",
                 minimum=1,
             ),
             breaker_cooldown_s=_as_float(
@@ -258,11 +260,13 @@ class ECCacheConnectorConfig:
                 "breaker_max_cooldown_s",
             ),
             load_timeout_s=_as_float(
-                extra.get("load_timeout_s", cls.load_timeout_s), "load_timeout_s",
+                extra.get("load_timeout_s", cls.load_timeout_s),
+                "load_timeout_s",
                 minimum=0.001,
             ),
             load_concurrency=_as_int(
-                extra.get("load_concurrency", cls.load_concurrency), "load_concurrency",
+                extra.get("load_concurrency", cls.load_concurrency),
+                "load_concurrency",
                 minimum=1,
             ),
             on_load_failure=on_failure,
@@ -270,7 +274,8 @@ class ECCacheConnectorConfig:
             save=None if extra.get("save") is None else _as_bool(extra["save"], "save"),
             save_all_ranks=_as_bool(extra.get("save_all_ranks", False), "save_all_ranks"),
             save_queue_items=_as_int(
-                extra.get("save_queue_items", cls.save_queue_items), "save_queue_items",
+                extra.get("save_queue_items", cls.save_queue_items),
+                "save_queue_items",
                 minimum=1,
             ),
             save_queue_bytes=_as_size(
@@ -280,7 +285,8 @@ class ECCacheConnectorConfig:
                 extra.get("upload_threads", cls.upload_threads), "upload_threads", minimum=1
             ),
             upload_timeout_s=_as_float(
-                extra.get("upload_timeout_s", cls.upload_timeout_s), "upload_timeout_s",
+                extra.get("upload_timeout_s", cls.upload_timeout_s),
+                "upload_timeout_s",
                 minimum=0.001,
             ),
         )
@@ -315,9 +321,7 @@ def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> t
                 "ec_connector_extra_config.model, e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'"
             )
     if model is None:
-        raise ValueError(
-            "ECCacheConnector: no model config; set ec_connector_extra_config.model"
-        )
+        raise ValueError("ECCacheConnector: no model config; set ec_connector_extra_config.model")
     if cfg.encoder_revision:
         model = f"{model}@{cfg.encoder_revision}"
     check_model_namespace(model)
@@ -596,6 +600,7 @@ class ECCacheConnector(ECConnectorBase):
             min(cfg.hit_cache_size, 8192) if cfg.miss_ttl_s > 0 else 0, cfg.miss_ttl_s
         )
         self._step_answers: dict[str, bool] = {}  # identifier -> answer given this step
+        self._step_outage: set[str] = set()  # answered "miss" because of an outage
         self._pending_loads: dict[str, ECCacheLoad] = {}
         # --- worker state
         self._load_client: ec_cache.Client | None = None
@@ -715,7 +720,7 @@ class ECCacheConnector(ECConnectorBase):
         if answers is None or len(answers) != len(todo):
             for identifier in todo:
                 self._step_answers[identifier] = False
-            self._counters.add("misses_outage", len(todo))
+                self._step_outage.add(identifier)
             return
         for identifier, present in zip(todo, answers, strict=True):
             present = bool(present)
@@ -731,6 +736,8 @@ class ECCacheConnector(ECConnectorBase):
         if answer is not None:
             return answer
         if not self._breaker.healthy:
+            self._step_answers[identifier] = False
+            self._step_outage.add(identifier)
             return False
         if self._hits.get(identifier):
             self._step_answers[identifier] = True
@@ -766,6 +773,8 @@ class ECCacheConnector(ECConnectorBase):
             self._ask([identifier])
             answer = self._step_answers.get(identifier, False)
         self._counters.add("hits" if answer else "misses")
+        if not answer and identifier in self._step_outage:
+            self._counters.add("misses_outage")
         return answer
 
     def has_caches(self, request: Request) -> list[bool]:
@@ -812,6 +821,7 @@ class ECCacheConnector(ECConnectorBase):
         )
         self._pending_loads = {}
         self._step_answers = {}
+        self._step_outage = set()
         return meta
 
     # ------------------------------------------------------------------ worker
@@ -890,7 +900,11 @@ class ECCacheConnector(ECConnectorBase):
             attempt += 1
             try:
                 tensor = self._load_client.get(load.key, device=device)
-            except (ec_cache.UnavailableError, ec_cache.TransportError, ec_cache.IntegrityError) as exc:
+            except (
+                ec_cache.UnavailableError,
+                ec_cache.TransportError,
+                ec_cache.IntegrityError,
+            ) as exc:
                 error = f"{type(exc).__name__}: {exc}"
             except Exception as exc:  # 4xx and anything unexpected: not retried
                 return None, f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,5 @@
+"""``python -m ec_cache``: the ``ec-cache`` command line."""
+
+from ._cli import main
+
+main()
