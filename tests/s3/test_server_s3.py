@@ -263,6 +263,46 @@ def test_concurrent_misses_make_one_s3_request(
     assert joins == from_s3 - 1 and joins >= 1
 
 
+def test_slow_or_vanished_client_does_not_hold_the_fill(
+    make_server: ServerFactory, counting_proxy: CountingProxy
+) -> None:
+    a = client_for(make_server("a"))
+    data = entry(10_000, seed=12)  # ~20 MB
+    assert put(a, "slow", data).status_code == 201
+    b_srv = make_server("b", endpoint_url=counting_proxy.url, s3_get_chunk_size="1MiB")
+    b = client_for(b_srv)
+    with b.stream("GET", url("slow")) as resp:
+        assert resp.headers["X-EC-Tier"] == "s3"
+        chunks = resp.iter_raw(64 * 1024)
+        first = next(chunks)
+        # The reader stalls; the S3 -> disk copy goes on and commits without it.
+        wait_for(
+            lambda: metric(b, "ec_s3_fills_total", outcome="committed") == 1,
+            20,
+            "the fill to commit while its first reader stalls",
+        )
+        rest = b"".join(chunks)
+    assert first + rest == data
+    assert b.get(url("slow")).headers["X-EC-Tier"] == "disk"
+
+    # A client that leaves mid-body: the copy completes anyway and is served from disk.
+    other = entry(10_000, seed=13)
+    assert put(a, "left", other).status_code == 201
+    with b.stream("GET", url("left")) as resp:
+        next(resp.iter_raw(64 * 1024))
+    b.close()  # drops the connection with most of the body unread
+    b = client_for(b_srv)
+    wait_for(
+        lambda: metric(b, "ec_s3_fills_total", outcome="committed") == 2,
+        20,
+        "the fill to commit after its only reader left",
+    )
+    got = b.get(url("left"))
+    assert got.headers["X-EC-Tier"] == "disk" and got.content == other
+    assert counting_proxy.count("GET", "/slow.safetensors") == 1
+    assert counting_proxy.count("GET", "/left.safetensors") == 1
+
+
 # ------------------------------------------------------------------ write-back
 
 
