@@ -272,6 +272,11 @@ class SyncTransport(httpx.BaseTransport):
                 phase = "read"
                 head = self._read_head(conn, request)
             except (OSError, ValueError) as exc:
+                early = None
+                if phase == "write" and not isinstance(exc, TimeoutError | ValueError):
+                    early = self._early_answer(conn, request, timeouts.get("read"))
+                if early is not None:
+                    return self._response(conn, early, request, keep_alive=False)
                 conn.close()
                 if isinstance(exc, TimeoutError):
                     kind = httpx.WriteTimeout if phase == "write" else httpx.ReadTimeout
@@ -285,18 +290,35 @@ class SyncTransport(httpx.BaseTransport):
             except BaseException:
                 conn.close()
                 raise
-            body = SyncBody(self, conn, head, request)
-            return httpx.Response(
-                head.status,
-                headers=head.headers,
-                stream=body,
-                extensions={
-                    "http_version": b"HTTP/1.1",
-                    "reason_phrase": head.reason,
-                    "ec_body": body,
-                },
-            )
+            return self._response(conn, head, request, keep_alive=head.keep_alive)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _early_answer(
+        self, conn: _Conn, request: httpx.Request, timeout: float | None
+    ) -> ResponseHead | None:
+        """After a failed write: the answer the server sent before closing (an early
+        413/401/400 that rejected the body), if it can still be read."""
+        try:
+            conn.sock.settimeout(timeout if timeout is not None else 5.0)
+            return self._read_head(conn, request)
+        except (OSError, ValueError, httpx.HTTPError):
+            return None
+
+    def _response(
+        self, conn: _Conn, head: ResponseHead, request: httpx.Request, *, keep_alive: bool
+    ) -> httpx.Response:
+        head.keep_alive = keep_alive
+        body = SyncBody(self, conn, head, request)
+        return httpx.Response(
+            head.status,
+            headers=head.headers,
+            stream=body,
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "reason_phrase": head.reason,
+                "ec_body": body,
+            },
+        )
 
     @staticmethod
     def _send(conn: _Conn, head: bytes, request: httpx.Request) -> None:

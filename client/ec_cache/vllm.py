@@ -42,7 +42,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
@@ -359,7 +359,7 @@ class ECCacheLoad:
 
 
 @dataclass
-class ECCacheConnectorMetadata(ECConnectorMetadata):
+class ECCacheConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc,unused-ignore]  # Any without vLLM
     """Scheduler -> worker: the items to load in this step.
 
     ``scheduled_encoder_inputs`` is the very dict of this step's ``SchedulerOutput``
@@ -380,7 +380,7 @@ _AVERAGES = {
 
 
 @dataclass
-class ECCacheConnectorStats(ECConnectorStats):
+class ECCacheConnectorStats(ECConnectorStats):  # type: ignore[misc,unused-ignore]  # Any without vLLM
     """Counters of one interval; summed across workers and the scheduler by vLLM.
 
     Keys (all optional): ``hits``, ``hits_local`` (answered from the LRU), ``misses``,
@@ -393,7 +393,7 @@ class ECCacheConnectorStats(ECConnectorStats):
     """
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
         for name, value in other.data.items():
@@ -421,10 +421,10 @@ class ECCacheConnectorStats(ECConnectorStats):
         return not any(self.data.values())
 
 
-class ECCachePromMetrics(ECConnectorPromMetrics):
+class ECCachePromMetrics(ECConnectorPromMetrics):  # type: ignore[misc,unused-ignore]  # Any without vLLM
     """Prometheus counters ``vllm:ec_cache_<name>_total`` for the numeric stats."""
 
-    _COUNTERS = {
+    _COUNTERS: ClassVar[dict[str, str]] = {
         "hits": "Encoder outputs the scheduler found in ec-cache.",
         "misses": "Encoder outputs the scheduler did not find (computed locally).",
         "misses_outage": "Misses answered because ec-cache failed or was cut off.",
@@ -505,13 +505,13 @@ class _CudaStager:
         index = device.index if device.index is not None else torch.cuda.current_device()
         side = self._streams.get(index)
         if side is None:
-            side = torch.cuda.Stream(device=device)
+            side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             self._streams[index] = side
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             host.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(side)
         tensor.record_stream(side)
         return host, event.synchronize
@@ -570,7 +570,7 @@ def _make_client(
     )
 
 
-class ECCacheConnector(ECConnectorBase):
+class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # Any without vLLM
     """vLLM ``ECConnectorBase`` over an ec-cache server (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
