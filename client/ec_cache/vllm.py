@@ -749,7 +749,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         return None
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """vLLM >= 0.18: called before the scheduler looks at a request's encoder
+        """Called (vLLM 0.33) before the scheduler looks at a request's encoder
         inputs. Batches the existence questions of all of its items that are still
         to be computed into one request. Never defers the request (always True)."""
         if self.is_consumer and self.role == ECConnectorRole.SCHEDULER:

@@ -191,9 +191,7 @@ def make_vllm_config() -> Callable[..., Any]:
         if model_config is not None:
             kwargs["model_config"] = model_config
         if tensor_parallel_size != 1:
-            kwargs["parallel_config"] = ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size
-            )
+            kwargs["parallel_config"] = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         return VllmConfig(**kwargs)
 
     return make

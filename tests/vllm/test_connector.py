@@ -12,23 +12,22 @@ from __future__ import annotations
 import pickle
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import ec_cache.vllm as ecv
 import pytest
 import safetensors.torch
 import torch
 from conftest import Server
+from ec_cache._vllm.state import cache_key
+from ec_cache.vllm import ECCacheConnector, ECCacheConnectorMetadata
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
-
-import ec_cache.vllm as ecv
-from ec_cache._vllm.state import cache_key
-from ec_cache.vllm import ECCacheConnector, ECCacheConnectorMetadata
 
 SCHED = ECConnectorRole.SCHEDULER
 WORKER = ECConnectorRole.WORKER
@@ -44,9 +43,7 @@ def mm_hash() -> str:
     return uuid.uuid4().hex + uuid.uuid4().hex  # 64 hex chars, like vLLM's blake3
 
 
-def make_request(
-    identifiers: list[str], *, rows: int = 16, req_id: str | None = None
-) -> Request:
+def make_request(identifiers: list[str], *, rows: int = 16, req_id: str | None = None) -> Request:
     """A vLLM request with one image placeholder of ``rows`` tokens per identifier."""
     features = [
         MultiModalFeatureSpec(
@@ -73,7 +70,7 @@ def put_raw(server: Server, model: str, key: str, tensor: torch.Tensor) -> int:
     with server.http() as c:
         r = c.put(f"/ec/{model}/{DTYPE}/{key}", content=body)
     assert r.status_code in (200, 201), r.text
-    return r.status_code
+    return int(r.status_code)
 
 
 def get_raw(server: Server, model: str, key: str) -> torch.Tensor | None:
@@ -97,7 +94,9 @@ def embeds(rows: int = 16, width: int = 32, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture
-def connector(make_vllm_config: Callable[..., Any]) -> Callable[..., ECCacheConnector]:
+def connector(
+    make_vllm_config: Callable[..., Any],
+) -> Iterator[Callable[..., ECCacheConnector]]:
     """Build connectors through vLLM's factory; shut them all down afterwards."""
     made: list[ECCacheConnector] = []
 
@@ -110,7 +109,7 @@ def connector(make_vllm_config: Callable[..., Any]) -> Callable[..., ECCacheConn
         made.append(conn)
         return conn
 
-    yield make  # type: ignore[misc]
+    yield make
     for conn in made:
         conn.shutdown()
 
@@ -186,7 +185,7 @@ def test_namespace_from_vllm_model_config(
         )
     )  # fmt: skip
     model_config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="auto")
-    with pytest.raises(ValueError, match="set ec_connector_extra_config.model"):
+    with pytest.raises(ValueError, match=r"set ec_connector_extra_config\.model"):
         connector(SCHED, {"url": server.url}, model_config=model_config)
     conn = connector(SCHED, {"url": server.url, "model": "org/tiny"}, model_config=model_config)
     assert (conn.model, conn.dtype) == ("org/tiny", "float16")
@@ -313,20 +312,11 @@ def test_build_connector_meta_carries_the_loads(
     # Shipped to a worker process (pickled, as vLLM's executors do), the metadata
     # still points at that step's encoder inputs.
     shipped = pickle.loads(pickle.dumps(out))
-    assert shipped.ec_connector_metadata.scheduled_encoder_inputs is shipped.scheduled_encoder_inputs
+    assert (
+        shipped.ec_connector_metadata.scheduled_encoder_inputs is shipped.scheduled_encoder_inputs
+    )
     # The state is reset for the next step.
     assert sched.build_connector_meta(SchedulerOutput.make_empty()).loads == []
-
-
-def test_producer_only_scheduler_never_loads(
-    server: Server, connector: Callable[..., ECCacheConnector]
-) -> None:
-    model = ns()
-    h = mm_hash()
-    put_raw(server, model, h, embeds())
-    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE}, "ec_producer")
-    assert sched.has_cache_item(h) is False
-    assert sched.counters().get("exists_requests", 0) == 0
 
 
 # --------------------------------------------------------------------- worker
@@ -349,7 +339,7 @@ def test_worker_saves_in_background_and_loads_equal_tensors(
         stored = get_raw(server, model, h)
         assert stored is not None and torch.equal(stored, t)
     c = producer.counters()
-    assert c["save_created"] == 3 and c["save_bytes"] == 3 * 16 * 32 * 2
+    assert c["save_created"] == 3 and c["save_bytes"] == 3 * 16 * 32 * 2, c
     # Saving again is skipped locally (already known to be stored).
     producer.save_caches(encoder_cache, next(iter(outputs)))
     assert producer.counters()["save_skipped_known"] == 1
@@ -448,6 +438,7 @@ def test_failed_load_is_loud_when_it_cannot_be_recomputed(
         out, _ = step(sched, [make_request([h])])
         # The worker's copy of the metadata names an entry that is not there.
         meta = out.ec_connector_metadata
+        assert isinstance(meta, ECCacheConnectorMetadata)
         meta.loads[0].key = "gone-" + h
         worker.bind_connector_metadata(meta)
         with pytest.raises(RuntimeError, match=f"could not load 1 encoder output.*{h}"):
@@ -469,9 +460,7 @@ def test_wrong_shape_is_not_loaded(
     assert cache == {} and out.scheduled_encoder_inputs == {"r-shape": [0]}
 
 
-def test_load_outage_is_bounded(
-    blackhole: str, connector: Callable[..., ECCacheConnector]
-) -> None:
+def test_load_outage_is_bounded(blackhole: str, connector: Callable[..., ECCacheConnector]) -> None:
     from ec_cache.vllm import ECCacheLoad
 
     worker = connector(
@@ -517,9 +506,7 @@ def test_dtype_mismatch_is_not_saved(
 def test_consumer_only_worker_does_not_save(
     server: Server, connector: Callable[..., ECCacheConnector]
 ) -> None:
-    worker = connector(
-        WORKER, {"url": server.url, "model": ns(), "dtype": DTYPE}, "ec_consumer"
-    )
+    worker = connector(WORKER, {"url": server.url, "model": ns(), "dtype": DTYPE}, "ec_consumer")
     h = mm_hash()
     worker.save_caches({h: embeds()}, h)
     assert worker.flush(5) and worker.counters() == {}
@@ -559,7 +546,7 @@ def test_stats_through_vllm_hooks(
     logging_ = ECConnectorLogging(config.ec_transfer_config)
     logging_.observe(merged.data)
     lines: list[str] = []
-    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))  # type: ignore[no-untyped-call]
     assert lines and "hit_rate=0.6667" in lines[0]
 
     prom = ECConnectorProm(config, ["engine"], {0: ["0"]})
