@@ -36,7 +36,8 @@ from typing import Any, BinaryIO
 import anyio.to_thread
 from prometheus_client import CollectorRegistry, Counter
 
-from app.errors import ECError, Unavailable
+from app.checksum import to_hex
+from app.errors import ChecksumMismatch, ECError, Unavailable
 from app.keys import EntryKey
 from app.safetensors_format import MAX_HEADER_BYTES, PREFIX_BYTES, BodyValidator, TensorHeader
 from app.tiers.base import EntryInfo
@@ -177,6 +178,8 @@ class S3Fill:
     async def _run(self) -> None:
         tier = self.tier
         pending: PendingWrite | None = None
+        validator: BodyValidator | None = None
+        expected: int | None = None
         try:
             download = await tier.objects.open(tier.object_key(self.key))
             if download is None:
@@ -187,6 +190,7 @@ class S3Fill:
             async with download:
                 info = download.info
                 self.size = info.size
+                expected = info.crc32c
                 pending = await anyio.to_thread.run_sync(tier.disk.begin_write, self.key, info.size)
                 self._reader_file = open(pending.path, "rb", buffering=0)  # noqa: SIM115
                 validator = BodyValidator(
@@ -224,8 +228,15 @@ class S3Fill:
         except ECError as exc:
             tier.metrics.fills.labels("failed").inc()
             if exc.status_code < 500 and not isinstance(exc, Unavailable):
-                log.error("S3 object for %s is not a valid entry: %s", self.key, exc.message)
-                exc = S3InvalidObject(f"S3 object for {self.key} is not a valid entry: {exc}")
+                if isinstance(exc, ChecksumMismatch) and validator is not None:
+                    why = (
+                        f"its body has CRC32C {to_hex(validator.crc)} but its "
+                        f"ec-crc32c metadata says {to_hex(expected or 0)}"
+                    )
+                else:
+                    why = exc.message
+                log.error("S3 object for %s is not a valid entry (not cached): %s", self.key, why)
+                exc = S3InvalidObject(f"S3 object for {self.key} is not a valid entry: {why}")
             self._fail(exc)
         except Exception as exc:
             log.exception("S3 fill of %s failed", self.key)
