@@ -229,19 +229,12 @@ class Store:
         """Journal the upload, then commit to disk (pinned until uploaded)."""
         item = uploads.reserve(key, pending.written, crc)
         try:
-            if item is not None:
-                await anyio.to_thread.run_sync(uploads.write_record, item)
-            created = await anyio.to_thread.run_sync(pending.commit, crc, header)
-        except BaseException:
-            if item is not None:
-                uploads.cancel(item)
-            raise
-        if item is not None:
-            if created:
-                uploads.activate(item)
-            else:
-                uploads.cancel(item)  # committed meanwhile by a path that uploads itself
-        return created
+            # Every PUT writes the (identical) record itself: whichever commits first,
+            # its record is durable before its entry is visible.
+            await anyio.to_thread.run_sync(uploads.write_record, item)
+            return await anyio.to_thread.run_sync(pending.commit, crc, header)
+        finally:
+            uploads.release(item, on_disk=self.disk.contains(key))
 
     async def _upload_pending(self, item: PendingUpload) -> None:
         """The write-back queue's upload: disk entry (verified) -> S3."""

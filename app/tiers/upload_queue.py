@@ -60,6 +60,8 @@ class PendingUpload:
     in_progress: bool = False
     #: Set by a DELETE while an upload runs: the object is deleted again afterwards.
     deleted: bool = False
+    #: PUTs between reserve and release (concurrent PUTs of one key share the record).
+    writers: int = 0
 
     def record(self) -> dict[str, object]:
         return {
@@ -222,17 +224,20 @@ class UploadQueue:
     def contains(self, key: EntryKey) -> bool:
         return key.digest in self._items
 
-    def reserve(self, key: EntryKey, size: int, crc32c: int) -> PendingUpload | None:
-        """Register ``key`` and pin it (event loop). None when it is already pending.
-        Follow with :meth:`write_record` (in a thread) before committing the entry."""
-        if key.digest in self._items:
-            return None
-        # Not due until activated: its entry is not committed to disk yet.
-        item = PendingUpload(key, size, crc32c, time.time(), next_attempt=math.inf)
-        self._items[key.digest] = item
-        self.pending_bytes += size
-        self.disk.pin(key)
-        self._update_idle()
+    def reserve(self, key: EntryKey, size: int, crc32c: int) -> PendingUpload:
+        """Register a PUT of ``key`` that is about to commit (event loop): the pending
+        record, new or shared with a concurrent PUT of the same key, pinned on disk. Then
+        :meth:`write_record` (in a thread) *before* the disk commit, and :meth:`release`
+        after it, whatever happened."""
+        item = self._items.get(key.digest)
+        if item is None:
+            # Not due until released with the entry on disk.
+            item = PendingUpload(key, size, crc32c, time.time(), next_attempt=math.inf)
+            self._items[key.digest] = item
+            self.pending_bytes += size
+            self.disk.pin(key)
+            self._update_idle()
+        item.writers += 1
         return item
 
     def write_record(self, item: PendingUpload) -> None:
@@ -256,13 +261,21 @@ class UploadQueue:
     def activate(self, item: PendingUpload | None = None) -> None:
         """Make ``item`` due (its entry is committed) and wake a worker."""
         if item is not None:
-            item.next_attempt = 0.0
+            item.next_attempt = min(item.next_attempt, 0.0)
         if self._wake is not None:
             self._wake.set()
 
-    def cancel(self, item: PendingUpload) -> None:
-        """Undo :meth:`reserve` (the PUT failed before its entry was committed)."""
-        if self._items.get(item.key.digest) is item:
+    def release(self, item: PendingUpload, *, on_disk: bool) -> None:
+        """A PUT that reserved ``item`` is done. With the entry on disk (committed by this
+        PUT or by anyone else) the upload becomes due — if S3 already has the object the
+        worker finds out with one HEAD. Without it, the record goes once no other PUT
+        holds it."""
+        item.writers -= 1
+        if self._items.get(item.key.digest) is not item:
+            return  # discarded by a DELETE meanwhile
+        if on_disk:
+            self.activate(item)
+        elif item.writers <= 0 and item.next_attempt == math.inf:
             self._forget(item)
 
     def discard(self, key: EntryKey) -> bool:

@@ -68,10 +68,9 @@ def commit(disk: DiskTier, key: EntryKey, data: bytes) -> None:
 
 def put_pending(queue: UploadQueue, disk: DiskTier, key: EntryKey, data: bytes) -> None:
     item = queue.reserve(key, len(data), 0)
-    assert item is not None
     queue.write_record(item)
     commit(disk, key, data)
-    queue.activate(item)
+    queue.release(item, on_disk=True)
 
 
 @pytest.fixture
@@ -109,7 +108,6 @@ async def test_journal_survives_restart_and_pins(tmp_path: Path, disk: DiskTier)
 async def test_records_without_disk_entry_are_dropped(tmp_path: Path, disk: DiskTier) -> None:
     queue = make_queue(tmp_path, disk, FakeS3())
     item = queue.reserve(KEY, 10, 0)
-    assert item is not None
     queue.write_record(item)  # crash before the disk commit
     (tmp_path / "upload-queue" / ".stray.tmp").write_text("x")
     (tmp_path / "upload-queue" / "garbage.json").write_text("{not json")
@@ -167,12 +165,33 @@ async def test_bounds_and_discard(tmp_path: Path, disk: DiskTier) -> None:
     queue = make_queue(tmp_path, disk, FakeS3(), max_entries=1, max_bytes=1000)
     assert queue.has_room(1000) and not queue.has_room(1001)
     item = queue.reserve(KEY, 100, 0)
-    assert item is not None and queue.reserve(KEY, 100, 0) is None
     assert not queue.has_room(1)  # one entry at most
     queue.write_record(item)
     assert queue.discard(KEY) is False
     assert len(queue) == 0 and queue.pending_bytes == 0 and disk.stats().pinned == 0
     assert list((tmp_path / "upload-queue").iterdir()) == []
+
+
+async def test_concurrent_puts_of_one_key_share_the_record(tmp_path: Path, disk: DiskTier) -> None:
+    queue = make_queue(tmp_path, disk, FakeS3())
+    first = queue.reserve(KEY, 100, 0)
+    second = queue.reserve(KEY, 100, 0)
+    assert first is second and len(queue) == 1 and queue.pending_bytes == 100
+    # The second PUT commits first; the first then finds the key taken. The record
+    # must survive both, because the committed entry still needs its upload.
+    commit(disk, KEY, body((4, 4)))
+    queue.release(second, on_disk=True)
+    queue.release(first, on_disk=True)
+    assert len(queue) == 1 and first.next_attempt == 0.0
+
+    # Two PUTs that both fail: the record goes with the last of them.
+    other = EntryKey("org/model", "float32", "other")
+    a = queue.reserve(other, 50, 0)
+    b = queue.reserve(other, 50, 0)
+    queue.release(a, on_disk=False)
+    assert len(queue) == 2
+    queue.release(b, on_disk=False)
+    assert len(queue) == 1 and disk.stats().pinned == 1
 
 
 def test_s3_endpoint_without_bucket_stops_start_up(tmp_path: Path) -> None:
