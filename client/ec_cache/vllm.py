@@ -28,8 +28,8 @@ Worker side
     worker's own device, validates their row count, and stores them in vLLM's
     ``encoder_cache``. ``save_caches`` only stages a host copy (a pinned buffer on a side
     stream on CUDA) and queues it; daemon threads upload it. One tensor-parallel rank
-    uploads; ``If-None-Match``-style first-writer-wins on the server makes duplicates
-    free anyway.
+    uploads; the server's first-writer-wins makes a duplicate upload harmless (it is
+    answered 200 and stores nothing).
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ class ECCacheConnectorConfig:
     save_queue_bytes: int = 1 << 30
     upload_threads: int = 2
     upload_timeout_s: float = 30.0
+    log_interval_s: float = 60.0
 
     KEYS = frozenset(
         {
@@ -187,7 +188,7 @@ class ECCacheConnectorConfig:
             "breaker_failures", "breaker_cooldown_s", "breaker_max_cooldown_s",
             "load_timeout_s", "load_concurrency", "on_load_failure", "device",
             "save", "save_all_ranks", "save_queue_items", "save_queue_bytes",
-            "upload_threads", "upload_timeout_s",
+            "upload_threads", "upload_timeout_s", "log_interval_s",
         }
     )  # fmt: skip
 
@@ -288,6 +289,9 @@ class ECCacheConnectorConfig:
                 extra.get("upload_timeout_s", cls.upload_timeout_s),
                 "upload_timeout_s",
                 minimum=0.001,
+            ),
+            log_interval_s=_as_float(
+                extra.get("log_interval_s", cls.log_interval_s), "log_interval_s"
             ),
         )
 
@@ -610,6 +614,8 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         self._cuda_stager: _CudaStager | None = None
         self._known_present: TTLCache[str, bool] = TTLCache(cfg.hit_cache_size, cfg.hit_ttl_s)
         self._warned: set[str] = set()
+        self._last_log = time.monotonic()
+        self._logged_totals: dict[str, float] = {}
         self._lock = threading.Lock()
         self.save_enabled = self.is_producer if cfg.save is None else (cfg.save and True)
 
@@ -682,6 +688,22 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         if what not in self._warned:
             self._warned.add(what)
             logger.warning(message, *args)
+
+    def _maybe_log_totals(self) -> None:
+        """Every ``log_interval_s``, one INFO line with the lifetime counters when
+        they changed (vLLM's V1 model runner does not forward worker-side stats)."""
+        interval = self.config.log_interval_s
+        if interval <= 0 or time.monotonic() - self._last_log < interval:
+            return
+        self._last_log = time.monotonic()
+        totals = self._counters.totals()
+        if totals != self._logged_totals:
+            self._logged_totals = totals
+            logger.info(
+                "ec-cache connector (%s) totals: %s",
+                self.role.name.lower(),
+                ", ".join(f"{k}={round(v, 3)}" for k, v in sorted(totals.items())),
+            )
 
     def _note_breaker(self) -> None:
         opened = self._breaker.opened
@@ -815,6 +837,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        self._maybe_log_totals()
         meta = ECCacheConnectorMetadata(
             loads=list(self._pending_loads.values()),
             scheduled_encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None),
@@ -828,6 +851,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         """Fetch this step's items concurrently onto this worker's device."""
+        self._maybe_log_totals()
         meta = self._connector_metadata
         if not isinstance(meta, ECCacheConnectorMetadata) or not meta.loads:
             return
@@ -965,6 +989,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         the network."""
         if not self.save_enabled or self._closed:
             return
+        self._maybe_log_totals()
         if not self.config.save_all_ranks and (
             _tensor_parallel_rank() != 0 or _prefill_context_parallel_rank() != 0
         ):

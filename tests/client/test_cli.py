@@ -1,0 +1,158 @@
+"""The ``ec-cache`` command line, run as a subprocess (``python -m ec_cache``) against a
+real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from .conftest import CLIENT_DIR, ServerProcess, free_port
+
+
+def run(server: ServerProcess | None, *args: str, model: str = "cli/model",
+        dtype: str | None = "float32", env: dict[str, str] | None = None,
+        ) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ, PYTHONPATH=str(CLIENT_DIR), **(env or {}))
+    for name in ("EC_CACHE_URL", "EC_CACHE_MODEL", "EC_CACHE_DTYPE", "EC_CACHE_TOKEN"):
+        if not env or name not in env:
+            full_env.pop(name, None)
+    argv = [sys.executable, "-m", "ec_cache"]
+    if server is not None:
+        argv += ["--url", server.url]
+    if model:
+        argv += ["--model", model]
+    if dtype:
+        argv += ["--dtype", dtype]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, env=full_env,
+                          timeout=120)
+
+
+def key() -> str:
+    return uuid.uuid4().hex
+
+
+def test_help_lists_commands_and_exit_codes() -> None:
+    result = run(None, "--help", model="", dtype=None)
+    assert result.returncode == 0
+    for word in ["head", "get", "put", "rm", "exists", "stats", "exit status", "EC_CACHE_URL"]:
+        assert word in result.stdout
+
+
+def test_put_safetensors_head_get_rm(server: ServerProcess, tmp_path: Path) -> None:
+    t = torch.randn(12, 34).to(torch.bfloat16)
+    src = tmp_path / "in.safetensors"
+    safetensors.torch.save_file({"whatever": t}, src)
+    h = key()
+    result = run(server, "put", str(src), h, dtype=None)  # dtype from the file
+    assert result.returncode == 0, result.stderr
+    assert "created" in result.stdout
+    assert "already present" in run(server, "put", str(src), h, dtype=None).stdout
+
+    result = run(server, "head", h, dtype="bfloat16")
+    assert result.returncode == 0 and "12 x 34" in result.stdout and "bfloat16" in result.stdout
+    info = json.loads(run(server, "info", h, "--json", dtype="bfloat16").stdout)
+    assert info["shape"] == [12, 34] and info["present"] is True and info["tier"] == "disk"
+
+    out = tmp_path / "out.safetensors"
+    result = run(server, "get", h, "-o", str(out), dtype="bfloat16")
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(safetensors.torch.load_file(out)["tensor"], t)
+
+    pt = tmp_path / "out.pt"
+    assert run(server, "get", h, "-o", str(pt), dtype="bfloat16").returncode == 0
+    assert torch.equal(torch.load(pt), t)
+
+    assert run(server, "rm", h, dtype="bfloat16").returncode == 0
+    result = run(server, "head", h, dtype="bfloat16")
+    assert result.returncode == 1 and "not found" in result.stdout
+    assert run(server, "get", h, "-o", str(out), dtype="bfloat16").returncode == 1
+
+
+def test_put_npy_and_pt(server: ServerProcess, tmp_path: Path) -> None:
+    arr = np.arange(20, dtype=np.int32).reshape(4, 5)
+    np.save(tmp_path / "a.npy", arr)
+    h = key()
+    assert run(server, "put", str(tmp_path / "a.npy"), h, dtype=None).returncode == 0
+    assert run(server, "get", h, "-o", str(tmp_path / "b.npy"), dtype="int32").returncode == 0
+    assert (np.load(tmp_path / "b.npy") == arr).all()
+
+    torch.save({"x": torch.ones(3, 3)}, tmp_path / "c.pt")
+    h2 = key()
+    # --dtype converts: a float32 file stored as float16
+    assert run(server, "put", str(tmp_path / "c.pt"), h2, dtype="float16").returncode == 0
+    assert "float16" in run(server, "head", h2, dtype="float16").stdout
+
+
+def test_get_to_stdout(server: ServerProcess, tmp_path: Path) -> None:
+    h = key()
+    np.save(tmp_path / "a.npy", np.ones((2, 2), dtype=np.float32))
+    run(server, "put", str(tmp_path / "a.npy"), h)
+    full_env = dict(os.environ, PYTHONPATH=str(CLIENT_DIR))
+    raw = subprocess.run([sys.executable, "-m", "ec_cache", "--url", server.url, "--model",
+                          "cli/model", "--dtype", "float32", "get", h, "-o", "-"],
+                         capture_output=True, env=full_env, timeout=60)
+    assert raw.returncode == 0
+    assert torch.equal(safetensors.torch.load(raw.stdout)["tensor"], torch.ones(2, 2))
+
+
+def test_exists_batch_and_exit_code(server: ServerProcess, tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.zeros(3, dtype=np.float32))
+    h = key()
+    run(server, "put", str(tmp_path / "a.npy"), h)
+    result = run(server, "exists", h, "absent-1", "--json")
+    assert result.returncode == 1
+    assert json.loads(result.stdout) == {h: True, "absent-1": False}
+    result = run(server, "exists", h)
+    assert result.returncode == 0 and f"{h}: present" in result.stdout
+
+
+def test_stats(server: ServerProcess) -> None:
+    result = run(server, "stats", model="", dtype=None)
+    assert result.returncode == 0 and "disk.entries" in result.stdout
+    data = json.loads(run(server, "stats", "--json", model="", dtype=None).stdout)
+    assert "disk" in data[server.url]
+
+
+def test_environment_defaults(server: ServerProcess, tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.zeros(3, dtype=np.float32))
+    env = {"EC_CACHE_URL": server.url, "EC_CACHE_MODEL": "env/model", "EC_CACHE_DTYPE": "float32"}
+    h = key()
+    assert run(None, "put", str(tmp_path / "a.npy"), h, model="", dtype=None,
+               env=env).returncode == 0
+    assert run(None, "head", h, model="", dtype=None, env=env).returncode == 0
+    # options after the command override the environment
+    assert run(None, "head", h, "--model", "other/model", model="", dtype=None,
+               env=env).returncode == 1
+
+
+def test_usage_and_error_exit_codes(server: ServerProcess, tmp_path: Path) -> None:
+    assert run(server, "head").returncode == 2  # missing HASH
+    assert run(server, "head", "bad/hash").returncode == 2
+    assert run(server, "head", "h", model="").returncode == 2  # no model
+    assert run(server, "put", str(tmp_path / "missing.npy"), "h").returncode == 2
+    (tmp_path / "x.txt").write_text("hi")
+    assert run(server, "put", str(tmp_path / "x.txt"), "h").returncode == 2
+    refused = run(None, "--url", f"http://127.0.0.1:{free_port()}", "--retries", "1",
+                  "head", "h")
+    assert refused.returncode == 3 and "connect" in refused.stderr.lower()
+
+
+@pytest.mark.parametrize("progress", ["always", "never"])
+def test_progress_on_stderr(server: ServerProcess, tmp_path: Path, progress: str) -> None:
+    t = torch.randn(3000, 1024)  # 12 MB
+    safetensors.torch.save_file({"t": t}, tmp_path / "big.safetensors")
+    h = key()
+    result = run(server, "--progress", progress, "put", str(tmp_path / "big.safetensors"), h)
+    assert result.returncode == 0
+    assert ("MiB" in result.stderr) == (progress == "always")
+    result = run(server, "get", h, "-o", str(tmp_path / "o.safetensors"), "--progress", progress)
+    assert result.returncode == 0 and ("100.0%" in result.stderr) == (progress == "always")
