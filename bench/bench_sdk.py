@@ -51,11 +51,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "client"))
 
+import ec_cache  # noqa: E402
 import httpx  # noqa: E402
 import torch  # noqa: E402
 import urllib3  # noqa: E402
-
-import ec_cache  # noqa: E402
 from ec_cache._crc import crc32c  # noqa: E402
 from ec_cache._tensors import build_header, tensor_memoryview  # noqa: E402
 
@@ -84,7 +83,9 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def start_nginx(work: Path, bodies: dict[str, tuple[bytes, torch.Tensor]]) -> tuple[subprocess.Popen[bytes], int]:
+def start_nginx(
+    work: Path, bodies: dict[str, tuple[bytes, torch.Tensor]]
+) -> tuple[subprocess.Popen[bytes], int]:
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not os.path.exists(nginx):
         sys.exit("nginx not found: apt-get install -y nginx")
@@ -146,8 +147,9 @@ def start_server(work: Path) -> tuple[subprocess.Popen[bytes], int]:
         EC_DISK_MAX_BYTES="4GiB",
         EC_LOG_LEVEL="warning",
     )
-    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL
+    )
     wait_http(f"http://127.0.0.1:{port}/healthz")
     return proc, port
 
@@ -210,8 +212,12 @@ def main() -> None:
             key = f"{name}-put-{counter[0]}"
             body = bodies[name][0]
             t0 = time.perf_counter()
-            r = ec_pool.request("PUT", f"/ec/{MODEL}/{DTYPE}/{key}", body=body,
-                                headers={"X-EC-CRC32C": f"{crc32c(body):08x}"})
+            r = ec_pool.request(
+                "PUT",
+                f"/ec/{MODEL}/{DTYPE}/{key}",
+                body=body,
+                headers={"X-EC-CRC32C": f"{crc32c(body):08x}"},
+            )
             put_clock[0] += time.perf_counter() - t0
             assert r.status == 201, r.data
             client.delete(key)
@@ -239,14 +245,16 @@ def main() -> None:
                 "urllib3_ec_put": lambda n=name: urllib3_ec_put(n),
                 "sdk_put": lambda n=name: sdk_put(n),
             }
-            methods = {**{f"GET {k}": v for k, v in gets.items()},
-                       **{f"PUT {k}": v for k, v in puts.items()}}
+            methods = {
+                **{f"GET {k}": v for k, v in gets.items()},
+                **{f"PUT {k}": v for k, v in puts.items()},
+            }
             per = {k: [] for k in methods}
             for fn in methods.values():  # warm-up: connections, buffers, page cache
                 timed(fn, 2)
             keys = list(methods)
             for r in range(args.rounds):
-                order = keys[r % len(keys):] + keys[: r % len(keys)]
+                order = keys[r % len(keys) :] + keys[: r % len(keys)]
                 for key in order:
                     if key in ("PUT sdk_put", "PUT urllib3_ec_put"):
                         put_clock[0] = 0.0
@@ -271,13 +279,22 @@ def main() -> None:
             print(f"  PUT sdk_put / urllib3_ec_put: {sdk_vs_server:.2f}x")
         out = args.out / f"sdk-{time.strftime('%Y%m%d-%H%M%S')}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "rounds": args.rounds, "requests": args.requests,
-            "units": "MB/s (1e6 bytes/s), per round",
-            "raw": results, "median": summary,
-        }, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "host": platform.node(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "rounds": args.rounds,
+                    "requests": args.requests,
+                    "units": "MB/s (1e6 bytes/s), per round",
+                    "raw": results,
+                    "median": summary,
+                },
+                indent=1,
+            )
+        )
         print(f"\nraw results: {out.relative_to(ROOT)}")
         client.close()
         client_ngx.close()

@@ -146,8 +146,10 @@ def client_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any
     made: list[Any] = []
 
     def factory(*args: Any, **kwargs: Any) -> Any:
-        c = ec_cache.Client(*args, **kwargs) if request.param == "sync" else SyncFacade(
-            *args, **kwargs
+        c = (
+            ec_cache.Client(*args, **kwargs)
+            if request.param == "sync"
+            else SyncFacade(*args, **kwargs)
         )
         made.append(c)
         return c

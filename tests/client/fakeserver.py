@@ -28,8 +28,15 @@ class Reply:
 Handler = Callable[[Request], Reply]
 
 
-def entry_reply(body: bytes, *, dtype: str, shape: str, crc: str | None = None,
-                extra: str = "", truncate: int = 0) -> Reply:
+def entry_reply(
+    body: bytes,
+    *,
+    dtype: str,
+    shape: str,
+    crc: str | None = None,
+    extra: str = "",
+    truncate: int = 0,
+) -> Reply:
     crc = crc if crc is not None else f"{google_crc32c.value(body):08x}"
     head = (
         f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n"
@@ -45,7 +52,8 @@ def json_reply(status: int, payload: str, extra: str = "") -> Reply:
     data = payload.encode()
     return Reply(
         f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n{extra}\r\n".encode() + data
+        f"Content-Length: {len(data)}\r\n{extra}\r\n".encode()
+        + data
     )
 
 

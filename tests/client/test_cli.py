@@ -18,9 +18,13 @@ import torch
 from .conftest import CLIENT_DIR, ServerProcess, free_port
 
 
-def run(server: ServerProcess | None, *args: str, model: str = "cli/model",
-        dtype: str | None = "float32", env: dict[str, str] | None = None,
-        ) -> subprocess.CompletedProcess[str]:
+def run(
+    server: ServerProcess | None,
+    *args: str,
+    model: str = "cli/model",
+    dtype: str | None = "float32",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, PYTHONPATH=str(CLIENT_DIR), **(env or {}))
     for name in ("EC_CACHE_URL", "EC_CACHE_MODEL", "EC_CACHE_DTYPE", "EC_CACHE_TOKEN"):
         if not env or name not in env:
@@ -32,8 +36,7 @@ def run(server: ServerProcess | None, *args: str, model: str = "cli/model",
         argv += ["--model", model]
     if dtype:
         argv += ["--dtype", dtype]
-    return subprocess.run([*argv, *args], capture_output=True, text=True, env=full_env,
-                          timeout=120)
+    return subprocess.run([*argv, *args], capture_output=True, text=True, env=full_env, timeout=120)
 
 
 def key() -> str:
@@ -97,9 +100,26 @@ def test_get_to_stdout(server: ServerProcess, tmp_path: Path) -> None:
     np.save(tmp_path / "a.npy", np.ones((2, 2), dtype=np.float32))
     run(server, "put", str(tmp_path / "a.npy"), h)
     full_env = dict(os.environ, PYTHONPATH=str(CLIENT_DIR))
-    raw = subprocess.run([sys.executable, "-m", "ec_cache", "--url", server.url, "--model",
-                          "cli/model", "--dtype", "float32", "get", h, "-o", "-"],
-                         capture_output=True, env=full_env, timeout=60)
+    raw = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ec_cache",
+            "--url",
+            server.url,
+            "--model",
+            "cli/model",
+            "--dtype",
+            "float32",
+            "get",
+            h,
+            "-o",
+            "-",
+        ],
+        capture_output=True,
+        env=full_env,
+        timeout=60,
+    )
     assert raw.returncode == 0
     assert torch.equal(safetensors.torch.load(raw.stdout)["tensor"], torch.ones(2, 2))
 
@@ -126,12 +146,15 @@ def test_environment_defaults(server: ServerProcess, tmp_path: Path) -> None:
     np.save(tmp_path / "a.npy", np.zeros(3, dtype=np.float32))
     env = {"EC_CACHE_URL": server.url, "EC_CACHE_MODEL": "env/model", "EC_CACHE_DTYPE": "float32"}
     h = key()
-    assert run(None, "put", str(tmp_path / "a.npy"), h, model="", dtype=None,
-               env=env).returncode == 0
+    assert (
+        run(None, "put", str(tmp_path / "a.npy"), h, model="", dtype=None, env=env).returncode == 0
+    )
     assert run(None, "head", h, model="", dtype=None, env=env).returncode == 0
     # options after the command override the environment
-    assert run(None, "head", h, "--model", "other/model", model="", dtype=None,
-               env=env).returncode == 1
+    assert (
+        run(None, "head", h, "--model", "other/model", model="", dtype=None, env=env).returncode
+        == 1
+    )
 
 
 def test_usage_and_error_exit_codes(server: ServerProcess, tmp_path: Path) -> None:
@@ -141,8 +164,7 @@ def test_usage_and_error_exit_codes(server: ServerProcess, tmp_path: Path) -> No
     assert run(server, "put", str(tmp_path / "missing.npy"), "h").returncode == 2
     (tmp_path / "x.txt").write_text("hi")
     assert run(server, "put", str(tmp_path / "x.txt"), "h").returncode == 2
-    refused = run(None, "--url", f"http://127.0.0.1:{free_port()}", "--retries", "1",
-                  "head", "h")
+    refused = run(None, "--url", f"http://127.0.0.1:{free_port()}", "--retries", "1", "head", "h")
     assert refused.returncode == 3 and "connect" in refused.stderr.lower()
 
 

@@ -10,11 +10,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import ec_cache
 import httpx
 import pytest
 import torch
-
-import ec_cache
 from ec_cache._tensors import build_header, tensor_memoryview
 
 from .conftest import ServerProcess
@@ -48,8 +47,9 @@ def test_corrupted_body_raises_integrity_error(fake: Any, client_factory: Factor
     corrupted = bytearray(BODY)
     corrupted[-1] ^= 0xFF  # one flipped bit in the data, checksum of the original
     good_crc = __import__("google_crc32c").value(BODY)
-    srv = fake(lambda r: entry_reply(bytes(corrupted), dtype="float32", shape="8,8",
-                                     crc=f"{good_crc:08x}"))
+    srv = fake(
+        lambda r: entry_reply(bytes(corrupted), dtype="float32", shape="8,8", crc=f"{good_crc:08x}")
+    )
     c = client_factory(srv.url, model="m", dtype="float32")
     with pytest.raises(ec_cache.IntegrityError, match="CRC32C"):
         c.get("h")
@@ -64,8 +64,9 @@ def test_corrupted_body_raises_integrity_error(fake: Any, client_factory: Factor
         ({"dtype": "float32", "shape": "8,8", "extra": "X-EC-Data-Offset: 8\r\n"}, "Offset"),
     ],
 )
-def test_header_disagreements(fake: Any, client_factory: Factory, kwargs: dict[str, str],
-                              match: str) -> None:
+def test_header_disagreements(
+    fake: Any, client_factory: Factory, kwargs: dict[str, str], match: str
+) -> None:
     srv = fake(lambda r: entry_reply(BODY, **kwargs))
     c = client_factory(srv.url, model="m", dtype="float32")
     with pytest.raises(ec_cache.IntegrityError, match=match):
@@ -100,8 +101,11 @@ def test_truncated_body_is_a_transport_error(fake: Any, client_factory: Factory)
 
 
 def test_503_is_a_miss_unless_asked(fake: Any, client_factory: Factory) -> None:
-    srv = fake(lambda r: json_reply(503, '{"error":"unavailable","message":"s3 down",'
-                                         '"part":null}', "Retry-After: 2\r\n"))
+    srv = fake(
+        lambda r: json_reply(
+            503, '{"error":"unavailable","message":"s3 down","part":null}', "Retry-After: 2\r\n"
+        )
+    )
     c = client_factory(srv.url, model="m", dtype="float32")
     assert c.get("h") is None and c.head("h") is None and c.exists("h") is False
     assert c.exists_many(["a", "b"]) == [False, False]
@@ -123,8 +127,9 @@ def test_502_is_retried(fake: Any, client_factory: Factory) -> None:
         return entry_reply(BODY, dtype="float32", shape="8,8")
 
     srv = fake(handler)
-    c = client_factory(srv.url, model="m", dtype="float32",
-                       retries=ec_cache.Retries(attempts=3, backoff=0.01))
+    c = client_factory(
+        srv.url, model="m", dtype="float32", retries=ec_cache.Retries(attempts=3, backoff=0.01)
+    )
     assert torch.equal(c.get("h"), T)
     calls[0] = 0
     c1 = client_factory(srv.url, model="m", dtype="float32", retries=1)
@@ -142,8 +147,9 @@ def test_4xx_is_not_retried(fake: Any, client_factory: Factory) -> None:
     assert len(srv.requests) == 1
 
 
-def test_silently_dropped_keepalive_connection_is_retried(fake: Any,
-                                                          client_factory: Factory) -> None:
+def test_silently_dropped_keepalive_connection_is_retried(
+    fake: Any, client_factory: Factory
+) -> None:
     """The server closes after each answer without ``Connection: close``: the next request
     on the pooled connection fails before any byte and is sent again on a new one."""
     srv = fake(lambda r: Reply(entry_reply(BODY, dtype="float32", shape="8,8").raw, close=True))
@@ -157,8 +163,12 @@ def test_silently_dropped_keepalive_connection_is_retried(fake: Any,
 def test_connection_refused_is_connect_error(client_factory: Factory) -> None:
     from .conftest import free_port
 
-    c = client_factory(f"http://127.0.0.1:{free_port()}", model="m", dtype="float32",
-                       retries=ec_cache.Retries(attempts=2, backoff=0.01))
+    c = client_factory(
+        f"http://127.0.0.1:{free_port()}",
+        model="m",
+        dtype="float32",
+        retries=ec_cache.Retries(attempts=2, backoff=0.01),
+    )
     with pytest.raises(ec_cache.ConnectError):
         c.get("h")
     with pytest.raises(ec_cache.TransportError):
@@ -171,18 +181,28 @@ def test_read_timeout(fake: Any, client_factory: Factory) -> None:
         return entry_reply(BODY, dtype="float32", shape="8,8")
 
     srv = fake(slow)
-    c = client_factory(srv.url, model="m", dtype="float32", retries=1,
-                       timeouts=ec_cache.Timeouts(connect=1, read=0.2, write=1, pool=1))
+    c = client_factory(
+        srv.url,
+        model="m",
+        dtype="float32",
+        retries=1,
+        timeouts=ec_cache.Timeouts(connect=1, read=0.2, write=1, pool=1),
+    )
     with pytest.raises(ec_cache.TransportTimeout):
         c.get("h")
 
 
 # -- real servers ----------------------------------------------------------------------
-def test_retries_across_a_server_restart(make_server: Callable[..., ServerProcess],
-                                         client_factory: Factory) -> None:
+def test_retries_across_a_server_restart(
+    make_server: Callable[..., ServerProcess], client_factory: Factory
+) -> None:
     srv = make_server()
-    c = client_factory(srv.url, model="m", dtype="bfloat16",
-                       retries=ec_cache.Retries(attempts=30, backoff=0.1, max_backoff=0.3))
+    c = client_factory(
+        srv.url,
+        model="m",
+        dtype="bfloat16",
+        retries=ec_cache.Retries(attempts=30, backoff=0.1, max_backoff=0.3),
+    )
     t = torch.randn(16, 32).to(torch.bfloat16)
     c.put("persist", t)
     srv.stop()
@@ -195,11 +215,13 @@ def test_retries_across_a_server_restart(make_server: Callable[..., ServerProces
     assert got is not None and torch.equal(got, t)
 
 
-def test_two_replicas_routing_and_failover(make_server: Callable[..., ServerProcess],
-                                           client_factory: Factory) -> None:
+def test_two_replicas_routing_and_failover(
+    make_server: Callable[..., ServerProcess], client_factory: Factory
+) -> None:
     a, b = make_server(), make_server()
-    c = client_factory([a.url, b.url], model="m", dtype="float32",
-                       retries=ec_cache.Retries(attempts=1))
+    c = client_factory(
+        [a.url, b.url], model="m", dtype="float32", retries=ec_cache.Retries(attempts=1)
+    )
     hashes = [uuid.uuid4().hex for _ in range(40)]
     for i, h in enumerate(hashes):
         assert c.put(h, torch.full((4,), float(i)))

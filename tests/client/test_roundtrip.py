@@ -7,11 +7,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import ec_cache
 import httpx
 import pytest
 import torch
-
-import ec_cache
 from ec_cache._tensors import DTYPES
 
 from .conftest import ServerProcess
@@ -33,8 +32,10 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
@@ -141,12 +142,13 @@ def test_exists_many_and_chunking(server: ServerProcess, client_factory: Factory
 
 
 def test_get_many_and_put_many_concurrently(server: ServerProcess, client_factory: Factory) -> None:
-    c = client_factory(server.url, model=MODEL, dtype=torch.bfloat16,
-                       limits=ec_cache.Limits(concurrency=6))
+    c = client_factory(
+        server.url, model=MODEL, dtype=torch.bfloat16, limits=ec_cache.Limits(concurrency=6)
+    )
     items = {key(): sample(torch.bfloat16, (64 + i, 256)) for i in range(24)}
     assert c.put_many(items) == [True] * 24
     assert c.put_many(list(items.items())[:3]) == [False] * 3
-    hashes = list(items) + [key()]
+    hashes = [*list(items), key()]
     got = c.get_many(hashes)
     assert got[-1] is None
     for h, t in zip(hashes[:-1], got[:-1], strict=True):
@@ -204,8 +206,9 @@ def test_stats(server: ServerProcess, client_factory: Factory) -> None:
     assert list(stats) == [server.url] and "disk" in stats[server.url]
 
 
-def test_token_is_sent_as_bearer(make_server: Callable[..., ServerProcess],
-                                 client_factory: Factory) -> None:
+def test_token_is_sent_as_bearer(
+    make_server: Callable[..., ServerProcess], client_factory: Factory
+) -> None:
     secret = "s3cr3t-token-0123456789"
     srv = make_server(EC_AUTH_TOKENS=f"ci:admin:{secret}", EC_ANONYMOUS="none")
     anon = client_factory(srv.url, model="m", dtype="float32", retries=1)

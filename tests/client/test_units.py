@@ -9,17 +9,16 @@ import json
 import struct
 import threading
 
+import ec_cache
 import google_crc32c
 import httpx
 import pytest
 import safetensors.torch
 import torch
-
-import ec_cache
 from ec_cache import _crc, _http11
 from ec_cache._buffers import BufferPool
 from ec_cache._config import Limits, Retries, Timeouts
-from ec_cache._core import PutBody, Receiver, encode_put
+from ec_cache._core import Receiver, encode_put
 from ec_cache._routing import Router
 from ec_cache._tensors import (
     DTYPES,
@@ -256,7 +255,9 @@ def test_pool_is_pinned_only_with_cuda() -> None:
 
 
 # -- receiving on CPU (the paths without a GPU) ------------------------------------------
-def _fake_response(tensor: torch.Tensor, dtype: str, **override: str) -> tuple[httpx.Response, bytes]:
+def _fake_response(
+    tensor: torch.Tensor, dtype: str, **override: str
+) -> tuple[httpx.Response, bytes]:
     body = body_of(tensor, dtype)
     headers = {
         "content-length": str(len(body)),
@@ -286,8 +287,9 @@ def _receive(rx: Receiver, body: bytes) -> torch.Tensor:
 
 
 def _rx(resp: httpx.Response, pool: BufferPool, **kw: object) -> Receiver:
-    args: dict[str, object] = dict(dtype="bfloat16", resp=resp, url="u", device=None, out=None,
-                                   pool=pool, verify=True)
+    args: dict[str, object] = dict(
+        dtype="bfloat16", resp=resp, url="u", device=None, out=None, pool=pool, verify=True
+    )
     args.update(kw)
     return Receiver(**args)  # type: ignore[arg-type]
 
@@ -371,7 +373,7 @@ def test_missing_checksum_header() -> None:
 # -- routing -----------------------------------------------------------------------------
 def test_rendezvous_is_stable_and_spreads() -> None:
     urls = [f"http://10.0.0.{i}:8080" for i in range(4)]
-    r1, r2 = Router(urls), Router(list(reversed(urls)) + ["http://10.0.0.0:8080/"])
+    r1, r2 = Router(urls), Router([*list(reversed(urls)), "http://10.0.0.0:8080/"])
     counts = dict.fromkeys(r1.urls, 0)
     for i in range(4000):
         order = r1.order("m", "bfloat16", f"h{i}")
@@ -407,7 +409,12 @@ def test_parse_response_head() -> None:
     head = _http11.parse_response_head(
         b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nX-EC-Shape: 1,2\r\n\r\n", req
     )
-    assert (head.status, head.content_length, head.keep_alive, head.chunked) == (200, 12, True, False)
+    assert (head.status, head.content_length, head.keep_alive, head.chunked) == (
+        200,
+        12,
+        True,
+        False,
+    )
     head = _http11.parse_response_head(
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n", req
     )
@@ -418,16 +425,22 @@ def test_parse_response_head() -> None:
         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", httpx.Request("HEAD", "http://x/")
     )
     assert head.content_length == 0
-    for bad in [b"HTTP/2 200\r\n\r\n", b"HTTP/1.1 20x OK\r\n\r\n",
-                b"HTTP/1.1 200 OK\r\nContent-Length: a\r\n\r\n",
-                b"HTTP/1.1 200 OK\r\nbroken\r\n\r\n"]:
+    for bad in [
+        b"HTTP/2 200\r\n\r\n",
+        b"HTTP/1.1 20x OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: a\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nbroken\r\n\r\n",
+    ]:
         with pytest.raises(httpx.RemoteProtocolError):
             _http11.parse_response_head(bad, req)
 
 
 def test_request_head() -> None:
-    req = httpx.Request("PUT", "http://h:1/ec/Qwen/Qwen2-VL/bfloat16/abc?x=1",
-                        headers={"X-EC-CRC32C": "00ff00ff", "Content-Length": "3"})
+    req = httpx.Request(
+        "PUT",
+        "http://h:1/ec/Qwen/Qwen2-VL/bfloat16/abc?x=1",
+        headers={"X-EC-CRC32C": "00ff00ff", "Content-Length": "3"},
+    )
     head = _http11.request_head(req)
     assert head.startswith(b"PUT /ec/Qwen/Qwen2-VL/bfloat16/abc?x=1 HTTP/1.1\r\n")
     assert b"\r\nX-EC-CRC32C: 00ff00ff\r\n" in head and head.endswith(b"\r\n\r\n")
@@ -452,14 +465,28 @@ def test_config_values() -> None:
 def test_server_error_from_json() -> None:
     body = json.dumps({"error": "invalid_hash", "message": "bad", "part": "hash"}).encode()
     err = ec_cache.ServerError.from_response(400, body, url="u", retry_after=None)
-    assert (err.status_code, err.code, err.part, err.message) == (400, "invalid_hash", "hash", "bad")
+    assert (err.status_code, err.code, err.part, err.message) == (
+        400,
+        "invalid_hash",
+        "hash",
+        "bad",
+    )
     err = ec_cache.ServerError.from_response(503, b"<html>", url="u", retry_after="3")
-    assert isinstance(err, ec_cache.UnavailableError) and err.retry_after == 3.0 and err.code is None
+    assert (
+        isinstance(err, ec_cache.UnavailableError) and err.retry_after == 3.0 and err.code is None
+    )
 
 
 def test_public_surface() -> None:
-    assert set(ec_cache.__all__) >= {"Client", "AsyncClient", "ECCacheError", "Timeouts",
-                                     "Retries", "Limits", "IntegrityError"}
+    assert set(ec_cache.__all__) >= {
+        "Client",
+        "AsyncClient",
+        "ECCacheError",
+        "Timeouts",
+        "Retries",
+        "Limits",
+        "IntegrityError",
+    }
     for name in ec_cache.__all__:
         assert getattr(ec_cache, name) is not None
     assert issubclass(ec_cache.ConnectError, ec_cache.TransportError)
@@ -471,12 +498,13 @@ def test_sdk_never_imports_server_packages() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; sys.path.insert(0, 'client'); import ec_cache, ec_cache._cli; "
-            "bad = {'fastapi', 'uvicorn', 'boto3', 'app', 'starlette'} & set(sys.modules); "
-            "print(sorted(bad)); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys; sys.path.insert(0, 'client'); import ec_cache, ec_cache._cli; "
+        "bad = {'fastapi', 'uvicorn', 'boto3', 'app', 'starlette'} & set(sys.modules); "
+        "print(sorted(bad)); sys.exit(1 if bad else 0)"
+    )
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
