@@ -7,6 +7,7 @@ server and S3 (any plain-http endpoint).
 
 from __future__ import annotations
 
+import base64
 import re
 import threading
 import time
@@ -165,6 +166,49 @@ def test_head_on_disk_miss_never_downloads(
     assert counting_proxy.count("HEAD", "h2") == 1
     assert counting_proxy.count("GET", "h2") == 0
     assert b.head(url("absent")).status_code == 404
+
+
+def test_objects_written_by_other_tools(
+    make_server: ServerFactory,
+    counting_proxy: CountingProxy,
+    s3_endpoint: S3Endpoint,
+    s3_prefix: str,
+) -> None:
+    """Objects without ec-* metadata (e.g. copied in with `aws s3 cp`) still work."""
+    client = s3_endpoint.client()
+    with_crc = entry(700, seed=14)
+    without = entry(700, seed=15)
+    base = f"{s3_prefix}/{MODEL}/float16"
+    client.put_object(
+        Bucket=s3_endpoint.bucket,
+        Key=f"{base}/foreign-crc.safetensors",
+        Body=with_crc,
+        ChecksumAlgorithm="CRC32C",
+        ChecksumCRC32C=base64.b64encode(int(crc_hex(with_crc), 16).to_bytes(4, "big")).decode(),
+    )
+    client.put_object(
+        Bucket=s3_endpoint.bucket, Key=f"{base}/foreign-plain.safetensors", Body=without
+    )
+    b = client_for(make_server("b", endpoint_url=counting_proxy.url))
+
+    # An S3 CRC32C but no ec-* metadata: HEAD reads only the safetensors header.
+    counting_proxy.reset()
+    resp = b.head(url("foreign-crc"))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["X-EC-CRC32C"] == crc_hex(with_crc)
+    assert resp.headers["X-EC-Shape"] == "700,1024"
+    assert resp.headers["X-EC-Tier"] == "s3"
+    ranged = [p for m, p in counting_proxy.snapshot() if m == "GET"]
+    assert len(ranged) == 1  # the header, by a ranged GET (checked: not the whole body)
+    assert int(metric(b, "ec_s3_bytes_total", direction="down")) < 70_000
+    got = b.get(url("foreign-crc"))
+    assert got.content == with_crc and got.headers["X-EC-CRC32C"] == crc_hex(with_crc)
+
+    # No checksum at all: the CRC32C is only known after a full read through the disk.
+    resp = b.head(url("foreign-plain"))
+    assert resp.status_code == 200 and resp.headers["X-EC-CRC32C"] == crc_hex(without)
+    got = b.get(url("foreign-plain"))
+    assert got.headers["X-EC-Tier"] == "disk" and got.content == without
 
 
 def test_disk_eviction_then_reread_from_s3(make_server: ServerFactory) -> None:
