@@ -1,0 +1,165 @@
+"""The connector's building blocks (no server): keys, caches, breaker, uploader, and
+the parsing of ``ec_connector_extra_config``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
+from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
+from ec_cache.vllm import ECCacheConnectorConfig, ECCacheConnectorStats
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_cache_key_keeps_vllm_ids_and_hashes_the_rest() -> None:
+    blake = "a" * 64
+    assert cache_key(blake) == blake
+    assert cache_key(f"my-lora:{blake}") == f"my-lora:{blake}"
+    assert cache_key("req-1-image-0") == "req-1-image-0"
+    assert cache_key("123e4567-e89b-12d3-a456-426614174000").startswith("123e4567")
+    for odd in ("org/lora:" + blake, "x" * 257, "ünï", "a b"):
+        key = cache_key(odd)
+        assert key.startswith("sha256:") and len(key) == 71
+        assert cache_key(odd) == key  # deterministic across workers
+    assert cache_key("a b") != cache_key("a  b")
+
+
+def test_ttl_cache_bounds_and_expiry() -> None:
+    clock = Clock()
+    cache: TTLCache[str, bool] = TTLCache(2, ttl=10.0, clock=clock)
+    cache.put("a", True)
+    cache.put("b", True)
+    assert cache.get("a")  # refreshes "a"
+    cache.put("c", True)  # evicts the least recently used: "b"
+    assert "b" not in cache and "a" in cache and "c" in cache
+    clock.now += 10.0
+    assert cache.get("a") is None and len(cache) == 1
+    disabled: TTLCache[str, bool] = TTLCache(0)
+    disabled.put("x", True)
+    assert disabled.get("x") is None
+
+
+def test_breaker_opens_backs_off_and_probes_once() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(2, cooldown=1.0, max_cooldown=3.0, clock=clock)
+    assert breaker.allow()
+    breaker.record_failure()
+    assert breaker.state == "closed" and breaker.allow()
+    breaker.record_failure()
+    assert breaker.state == "open" and not breaker.allow() and not breaker.healthy
+    clock.now += 1.0
+    assert breaker.state == "half-open"
+    assert breaker.allow()  # the probe
+    assert not breaker.allow()  # only one
+    breaker.record_failure()  # probe failed: 2 s now
+    clock.now += 1.5
+    assert not breaker.allow()
+    clock.now += 0.5
+    assert breaker.allow()
+    breaker.record_failure()  # 4 s, capped at 3 s
+    clock.now += 3.0
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state == "closed" and breaker.healthy and breaker.opened == 3
+
+
+def test_uploader_bounds_and_counts() -> None:
+    gate = threading.Event()
+    seen: list[str] = []
+
+    def put(key: str, tensor: Any) -> bool:
+        gate.wait(5)
+        seen.append(key)
+        if key == "boom":
+            raise OSError("refused")
+        return key != "dup"
+
+    counters = Counters()
+    up = BackgroundUploader(put, counters=counters, max_items=3, max_bytes=100, threads=1)
+    t = torch.zeros(1)
+    assert up.submit(UploadJob("a", t, 10))
+    assert up.submit(UploadJob("dup", t, 10))
+    assert up.submit(UploadJob("boom", t, 10))
+    assert not up.submit(UploadJob("d", t, 10))  # 3 items pending
+    gate.set()
+    assert up.flush(5)
+    assert up.submit(UploadJob("e", t, 60))
+    assert up.flush(5)
+    readied: list[int] = []
+    assert up.submit(UploadJob("f", t, 10, ready=lambda: readied.append(1)))
+    assert up.flush(5) and readied == [1]
+    # One job may exceed max_bytes only when nothing else is pending.
+    gate.clear()
+    assert up.submit(UploadJob("g", t, 90))
+    assert not up.submit(UploadJob("h", t, 20))
+    gate.set()
+    up.close(5)
+    assert not up.submit(UploadJob("i", t, 1))
+    c = counters.totals()
+    assert seen == ["a", "dup", "boom", "e", "f", "g"]
+    assert c["save_created"] == 4 and c["save_present"] == 1 and c["save_failed"] == 1
+    assert c["save_dropped"] == 3 and c["save_bytes"] == 170
+
+
+def test_uploader_close_drops_what_is_left() -> None:
+    counters = Counters()
+    release = threading.Event()
+    up = BackgroundUploader(
+        lambda k, t: release.wait(5), counters=counters, max_items=10, threads=1
+    )
+    for i in range(4):
+        up.submit(UploadJob(str(i), None, 5))
+    t0 = time.monotonic()
+    up.close(timeout=0.2)
+    assert time.monotonic() - t0 < 2
+    release.set()
+    assert counters.totals()["save_dropped"] == 3  # the one in flight finishes
+
+
+def test_extra_config_parsing() -> None:
+    cfg = ECCacheConnectorConfig.from_extra_config(
+        {
+            "url": "http://a:8080, http://b:8080",
+            "save_queue_bytes": "256MiB",
+            "save": "false",
+            "hit_ttl_s": None,
+            "exists_timeout_s": "0.05",
+        }
+    )
+    assert cfg.urls == ("http://a:8080", "http://b:8080")
+    assert cfg.save_queue_bytes == 256 << 20 and cfg.save is False
+    assert cfg.hit_ttl_s is None and cfg.exists_timeout_s == 0.05
+    assert ECCacheConnectorConfig.from_extra_config({"urls": ["http://a"]}).urls == ("http://a",)
+    for bad, match in (
+        ({"url": "http://a", "on_load_failure": "ignore"}, "on_load_failure"),
+        ({"url": "http://a", "save_queue_bytes": "lots"}, "save_queue_bytes"),
+        ({"url": "http://a", "breaker_failures": 0}, "breaker_failures"),
+        ({"url": "http://a", "encoder_revision": "a/b"}, "encoder_revision"),
+        ({"url": "http://a", "save": "maybe"}, "save"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ECCacheConnectorConfig.from_extra_config(bad)
+
+
+def test_stats_reduce_and_aggregate() -> None:
+    a = ECCacheConnectorStats(data={"hits": 3, "misses": 1, "exists_requests": 2,
+                                    "exists_seconds": 0.004})  # fmt: skip
+    b = ECCacheConnectorStats(data={"load_items": 3, "load_steps": 1, "load_seconds": 0.5})
+    merged = a.aggregate(b)
+    out = merged.reduce()
+    assert out["hit_rate"] == 0.75 and out["exists_avg_ms"] == 2.0
+    assert out["load_avg_ms"] == 500.0 and "load_seconds" not in out
+    assert not merged.is_empty()
+    merged.reset()
+    assert merged.is_empty()
