@@ -74,7 +74,7 @@ def run(sizes: list[int], rounds: int, requests: int) -> dict[str, Any]:
                     for label in order:
                         pool, path = contenders[label]
                         raw[label].append(_time_gets(pool, path, len(data), requests))
-                summary = {}
+                summary: dict[str, dict[str, Any]] = {}
                 for label, runs in raw.items():
                     per_round = [len(data) * len(r) / sum(r) / 1e6 for r in runs]
                     flat = [s for r in runs for s in r]

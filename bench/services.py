@@ -1,0 +1,174 @@
+"""Everything the benchmark starts on 127.0.0.1 (and stops by PID): SeaweedFS, nginx and
+ec-cache servers; plus small helpers that watch them (write-back drain, memory)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.nginx import Nginx
+from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
+from tests.support.server import ServerProcess
+
+BUCKET = "ec-bench"
+
+
+def http_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class Services:
+    """Starts what a section needs; :meth:`close` stops all of it, newest first."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._stack = contextlib.ExitStack()
+        self._s3: S3Endpoint | None = None
+        self._nginx: Nginx | None = None
+
+    # -- S3 -----------------------------------------------------------------------
+    def s3(self) -> S3Endpoint:
+        if self._s3 is None:
+            weed = SeaweedFS(self.root / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
+            weed.start()
+            self._stack.callback(weed.stop)
+            endpoint = S3Endpoint(
+                endpoint_url=weed.endpoint_url,
+                bucket=BUCKET,
+                region="us-east-1",
+                access_key=TEST_ACCESS_KEY,
+                secret_key=TEST_SECRET_KEY,
+                managed=weed,
+            )
+            endpoint.ensure_bucket()
+            self._s3 = endpoint
+        return self._s3
+
+    # -- nginx --------------------------------------------------------------------
+    def nginx(self) -> Nginx:
+        if self._nginx is None:
+            root = self.root / "nginx"
+            root.mkdir(parents=True)
+            nginx = Nginx(root).start()
+            self._stack.callback(nginx.stop)
+            self._nginx = nginx
+        return self._nginx
+
+    # -- ec-cache -----------------------------------------------------------------
+    def server(
+        self, name: str, *, s3_prefix: str | None = None, **settings: str | int
+    ) -> ServerProcess:
+        """A fresh ``python -m app`` with its own empty data directory."""
+        data = self.root / f"ec-{name}"
+        shutil.rmtree(data, ignore_errors=True)
+        env: dict[str, str] = {}
+        if s3_prefix is not None:
+            env = self.s3().env(prefix=s3_prefix)
+        proc = ServerProcess(data, self.root / f"ec-{name}.log", **settings)
+        proc.env.update(env)
+        proc.start()
+        self._stack.callback(proc.stop)
+        return proc
+
+    def stop_server(self, proc: ServerProcess) -> None:
+        """Stop a server before the end (its callback then does nothing)."""
+        proc.stop()
+        shutil.rmtree(proc.data_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def wait_upload_queue_empty(url: str, timeout: float = 300.0) -> float:
+    """Seconds until a write-back server's upload queue is empty."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        queue = http_json(url + "/stats").get("upload_queue", {})
+        if not queue.get("entries"):
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise RuntimeError(f"write-back queue of {url} did not drain in {timeout}s")
+
+
+_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def proc_memory(pid: int) -> dict[str, int]:
+    """``/proc/<pid>/status`` memory fields, in bytes."""
+    values: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, rest = line.partition(":")
+            if name in _FIELDS:
+                values[name] = int(rest.split()[0]) * 1024
+    return values
+
+
+class MemorySampler:
+    """Samples a process's memory every ``interval`` s in a thread; keeps the peaks."""
+
+    def __init__(self, pid: int, interval: float = 0.01) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.peak: dict[str, int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                for name, value in proc_memory(self.pid).items():
+                    self.peak[name] = max(self.peak.get(name, 0), value)
+                self.samples += 1
+            self._stop.wait(self.interval)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[MemorySampler]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+
+def time_to_healthz(proc: ServerProcess, timeout: float = 300.0) -> float:
+    """Start ``proc`` (not yet started) and return seconds until ``/healthz`` answers 200,
+    polling every 5 ms with a raw socket."""
+    import subprocess
+    import sys
+
+    request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    with proc.log_path.open("ab") as log:
+        start = time.perf_counter()
+        proc.proc = subprocess.Popen(
+            [sys.executable, "-m", "app"], env=proc.env, stdout=log, stderr=log
+        )
+    while time.perf_counter() - start < timeout:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{proc.log_path.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", proc.port), timeout=1) as sock:
+                sock.sendall(request)
+                if sock.recv(64).startswith(b"HTTP/1.1 200"):
+                    return time.perf_counter() - start
+        except OSError:
+            pass
+        time.sleep(0.005)
+    proc.stop()
+    raise RuntimeError(f"server did not answer /healthz in {timeout}s")
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
