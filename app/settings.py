@@ -88,6 +88,8 @@ class Settings(BaseSettings):
     writeback_workers: int = Field(default=4, ge=1, le=64)
     writeback_retry_min: float = Field(default=1.0, gt=0)
     writeback_retry_max: float = Field(default=60.0, gt=0)
+    #: At shutdown, wait this long for pending uploads (the rest stay in the journal).
+    writeback_drain_timeout: float = Field(default=10.0, ge=0, le=3600)
 
     # access control (see app/auth.py for the token format)
     auth_tokens: SecretStr | None = None

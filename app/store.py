@@ -79,7 +79,7 @@ class Store:
     async def stop(self) -> None:
         """Stop background work; pending write-back uploads stay in the journal."""
         if self.uploads is not None:
-            await self.uploads.stop()
+            await self.uploads.stop(self.settings.writeback_drain_timeout)
         if self.s3 is not None:
             await self.s3.stop()
 

@@ -42,6 +42,8 @@ from app.tiers.disk import DiskTier
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "upload-queue"
+#: Seconds between upload-failure log lines while uploads keep failing.
+LOG_INTERVAL = 30.0
 
 
 class EntryGone(Exception):
@@ -94,6 +96,12 @@ class UploadQueueMetrics:
             registry=registry,
         )
         self.bytes.set_function(lambda: queue.pending_bytes)
+        self.oldest = Gauge(
+            "ec_s3_upload_queue_oldest_seconds",
+            "Age of the longest-waiting write-back upload (0 when the queue is empty).",
+            registry=registry,
+        )
+        self.oldest.set_function(queue.oldest_age)
         self.uploads = Counter(
             "ec_s3_uploads",
             "Write-back upload attempts by outcome (ok, retry, dropped).",
@@ -139,6 +147,7 @@ class UploadQueue:
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._last_log = -math.inf
         self.metrics = UploadQueueMetrics(registry, self)
 
     def __len__(self) -> int:
@@ -208,7 +217,22 @@ class UploadQueue:
             asyncio.create_task(self._worker(), name=f"s3-upload-{n}") for n in range(self._workers)
         ]
 
-    async def stop(self) -> None:
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        """Stop the workers, first giving pending uploads up to ``drain_timeout`` seconds
+        (what is left stays in the journal for the next start)."""
+        if drain_timeout > 0 and self._items and self._tasks:
+            log.info(
+                "upload queue: draining %d pending uploads (up to %.0fs) before stopping",
+                len(self._items),
+                drain_timeout,
+            )
+            if not await self.wait_idle(drain_timeout):
+                log.warning(
+                    "upload queue: %d uploads still pending at shutdown; they stay in %s "
+                    "and resume at the next start",
+                    len(self._items),
+                    self.directory,
+                )
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -346,6 +370,31 @@ class UploadQueue:
                 continue
             await self._attempt(item)
 
+    def _log_failure(self, item: PendingUpload, delay: float, exc: Exception) -> None:
+        """One line per failure while few fail; during an outage at most one summary
+        line per ``LOG_INTERVAL`` (a full queue must not flood the log)."""
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL:
+            log.debug("upload queue: upload of %s failed again: %s", item.key, exc)
+            return
+        self._last_log = now
+        log.warning(
+            "upload queue: upload of %s failed (attempt %d, retry in %.1fs); %d entries "
+            "(%d bytes) waiting: %s",
+            item.key,
+            item.attempts,
+            delay,
+            len(self._items),
+            self.pending_bytes,
+            exc,
+        )
+
+    def oldest_age(self) -> float:
+        """Seconds the longest-waiting entry has been pending (0 when none)."""
+        if not self._items:
+            return 0.0
+        return max(0.0, time.time() - min(item.queued_at for item in self._items.values()))
+
     async def _attempt(self, item: PendingUpload) -> None:
         item.in_progress = True
         item.attempts += 1
@@ -367,14 +416,7 @@ class UploadQueue:
             item.next_attempt = time.monotonic() + delay
             item.last_error = str(exc)
             self.metrics.uploads.labels("retry").inc()
-            log.log(
-                logging.WARNING if item.attempts <= 3 else logging.ERROR,
-                "upload queue: upload of %s failed (attempt %d, retry in %.1fs): %s",
-                item.key,
-                item.attempts,
-                delay,
-                exc,
-            )
+            self._log_failure(item, delay, exc)
             return
         item.in_progress = False
         self.metrics.uploads.labels("ok").inc()

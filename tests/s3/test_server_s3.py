@@ -379,6 +379,28 @@ def test_write_back_upload_survives_kill_9(
     assert got.headers["X-EC-Tier"] == "s3" and got.content == data
 
 
+def test_write_back_drains_at_shutdown(
+    make_server: ServerFactory,
+    counting_proxy: CountingProxy,
+    s3_endpoint: S3Endpoint,
+    s3_prefix: str,
+) -> None:
+    counting_proxy.down = True
+    srv = make_server("a", endpoint_url=counting_proxy.url, write_mode="write-back")
+    a = client_for(srv)
+    data = entry(300, seed=16)
+    assert put(a, "drain", data).status_code == 201
+    assert metric(a, "ec_s3_upload_queue_depth") == 1
+    assert metric(a, "ec_s3_upload_queue_oldest_seconds") > 0
+    counting_proxy.down = False
+    srv.stop()  # SIGTERM: the pending upload gets EC_WRITEBACK_DRAIN_TIMEOUT to finish
+    assert s3_endpoint.list_keys(s3_prefix + "/") == [
+        f"{s3_prefix}/{MODEL}/float16/drain.safetensors"
+    ]
+    assert not list((srv.data_dir / "upload-queue").glob("*.json"))
+    assert "draining 1 pending uploads" in srv.log_path.read_text()
+
+
 def test_write_back_queue_bound_never_drops(
     make_server: ServerFactory, counting_proxy: CountingProxy, s3_endpoint: S3Endpoint
 ) -> None:
