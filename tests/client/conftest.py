@@ -103,7 +103,7 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
     def make(**env: str) -> ServerProcess:
-        srv = ServerProcess(tmp_path / f"data-{len(started)}", **env)
+        srv = ServerProcess(tmp_path / f"data-{len(started)}", None, **env)
         started.append(srv)
         return srv.start()
 

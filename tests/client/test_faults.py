@@ -65,7 +65,7 @@ def test_corrupted_body_raises_integrity_error(fake: Any, client_factory: Factor
     ],
 )
 def test_header_disagreements(
-    fake: Any, client_factory: Factory, kwargs: dict[str, str], match: str
+    fake: Any, client_factory: Factory, kwargs: dict[str, Any], match: str
 ) -> None:
     srv = fake(lambda r: entry_reply(BODY, **kwargs))
     c = client_factory(srv.url, model="m", dtype="float32")

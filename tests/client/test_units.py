@@ -8,6 +8,7 @@ import io
 import json
 import struct
 import threading
+from typing import Any
 
 import ec_cache
 import google_crc32c
@@ -113,7 +114,7 @@ def test_dtype_names() -> None:
     assert parse_dtype("torch.int64") == "int64"
     for bad in ["float", torch.complex64, "bfloat", 3]:
         with pytest.raises(ec_cache.InvalidKeyError):
-            parse_dtype(bad)  # type: ignore[arg-type]
+            parse_dtype(bad)
 
 
 def test_keys() -> None:
@@ -170,7 +171,7 @@ def test_wrong_tensor_is_rejected() -> None:
     with pytest.raises(ec_cache.InvalidTensorError):
         encode_put(torch.zeros(3).to_sparse(), "float32", pool)
     with pytest.raises(ec_cache.InvalidTensorError):
-        encode_put([1, 2], "float32", pool)  # type: ignore[arg-type]
+        encode_put([1, 2], "float32", pool)
     with pytest.raises(ValueError):
         encode_put(torch.zeros(3, device="meta"), "float32", pool)
 
@@ -286,12 +287,12 @@ def _receive(rx: Receiver, body: bytes) -> torch.Tensor:
         rx.release()
 
 
-def _rx(resp: httpx.Response, pool: BufferPool, **kw: object) -> Receiver:
-    args: dict[str, object] = dict(
+def _rx(resp: httpx.Response, pool: BufferPool, **kw: Any) -> Receiver:
+    args: dict[str, Any] = dict(
         dtype="bfloat16", resp=resp, url="u", device=None, out=None, pool=pool, verify=True
     )
     args.update(kw)
-    return Receiver(**args)  # type: ignore[arg-type]
+    return Receiver(**args)
 
 
 def test_receive_direct_into_fresh_tensor() -> None:
