@@ -114,7 +114,7 @@ def test_dtype_names() -> None:
     assert parse_dtype("torch.int64") == "int64"
     for bad in ["float", torch.complex64, "bfloat", 3]:
         with pytest.raises(ec_cache.InvalidKeyError):
-            parse_dtype(bad)
+            parse_dtype(bad)  # type: ignore[arg-type]
 
 
 def test_keys() -> None:
@@ -171,7 +171,7 @@ def test_wrong_tensor_is_rejected() -> None:
     with pytest.raises(ec_cache.InvalidTensorError):
         encode_put(torch.zeros(3).to_sparse(), "float32", pool)
     with pytest.raises(ec_cache.InvalidTensorError):
-        encode_put([1, 2], "float32", pool)
+        encode_put([1, 2], "float32", pool)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         encode_put(torch.zeros(3, device="meta"), "float32", pool)
 
