@@ -461,10 +461,18 @@ def test_s3_stopped_then_restarted(
     assert resp.status_code == 503  # write-through: no 201 without S3
     ready = a.get("/readyz")
     assert ready.status_code == 503 and "unreachable" in ready.json()["checks"]["s3"]
+    exists = a.post(f"/ec/{MODEL}/float16/_exists", json={"hashes": ["here"]})
+    assert exists.json() == {"present": [True]}  # answered by disk alone
+    exists = a.post(f"/ec/{MODEL}/float16/_exists", json={"hashes": ["here", "elsewhere"]})
+    assert exists.status_code == 503
+    assert a.delete(url("here")).status_code == 503  # S3 copy could not be removed
 
     s3_control.start()
     wait_for(lambda: a.get("/readyz").status_code == 200, 20, "readiness to recover")
     assert a.get(url("elsewhere")).status_code == 404  # recovered, no restart
+    assert a.get(url("here")).content == data  # the disk copy went, S3 still had it
+    assert a.delete(url("here")).status_code == 204
+    assert a.get(url("here")).status_code == 404
     assert put(a, "new", entry(100, seed=8)).status_code == 201
 
 
