@@ -72,7 +72,8 @@ __all__ = [
     "ECCacheLoad",
 ]
 
-logger = logging.getLogger("ec_cache.vllm")
+# A child of vLLM's "vllm" logger, so that vLLM's logging configuration shows it.
+logger = logging.getLogger("vllm.ec_cache")
 
 _MODEL_SEGMENT = re.compile(r"[A-Za-z0-9._@+-]+")
 _SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
@@ -617,7 +618,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         self._last_log = time.monotonic()
         self._logged_totals: dict[str, float] = {}
         self._lock = threading.Lock()
-        self.save_enabled = self.is_producer if cfg.save is None else (cfg.save and True)
+        self.save_enabled = bool(self.is_producer if cfg.save is None else cfg.save)
 
         if role == ECConnectorRole.SCHEDULER:
             self._client = _make_client(

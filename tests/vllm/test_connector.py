@@ -9,6 +9,10 @@ The only substitution is the tensor-parallel rank of a second worker in one proc
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("vllm", reason="tests/vllm run in .venv-vllm (scripts/setup-vllm-venv.sh)")
+
 import pickle
 import time
 import uuid
@@ -16,7 +20,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import ec_cache.vllm as ecv
-import pytest
 import safetensors.torch
 import torch
 from conftest import Server

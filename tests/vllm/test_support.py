@@ -3,11 +3,14 @@ the parsing of ``ec_connector_extra_config``."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("vllm", reason="tests/vllm run in .venv-vllm (scripts/setup-vllm-venv.sh)")
+
 import threading
 import time
 from typing import Any
 
-import pytest
 import torch
 from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
 from ec_cache._vllm.uploader import BackgroundUploader, UploadJob

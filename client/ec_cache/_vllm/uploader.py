@@ -20,7 +20,8 @@ from ec_cache._vllm.state import Counters
 
 __all__ = ["BackgroundUploader", "UploadJob"]
 
-logger = logging.getLogger("ec_cache.vllm")
+# A child of vLLM's "vllm" logger, so that vLLM's logging configuration shows it.
+logger = logging.getLogger("vllm.ec_cache")
 
 
 @dataclass
