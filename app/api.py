@@ -130,6 +130,7 @@ async def get_entry(
 ) -> Response:
     body = await store.get(key)
     if if_none_match is not None and body.info.etag in if_none_match:
+        await body.aclose()
         return Response(status_code=304, headers={"ETag": body.info.etag})
     return EntryResponse(body.info, body)
 

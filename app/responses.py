@@ -7,10 +7,15 @@ which uvicorn hands to the transport without copying.
 
 from __future__ import annotations
 
+import logging
+
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.errors import ECError
 from app.tiers.base import EntryBody, EntryInfo
+
+log = logging.getLogger(__name__)
 
 
 class EntryResponse(Response):
@@ -31,6 +36,14 @@ class EntryResponse(Response):
             await send({"type": "http.response.body", "body": body.buffer})
         else:
             assert body.chunks is not None
-            async for chunk in body.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in body.chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except ECError as exc:
+                # Headers are out: the only honest signal left is an incomplete body.
+                # Returning without the final message makes uvicorn drop the connection.
+                log.warning("stopped sending %s after the headers: %s", scope["path"], exc)
+                return
+            finally:
+                await body.aclose()
             await send({"type": "http.response.body", "body": b""})

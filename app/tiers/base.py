@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from app.checksum import to_hex
@@ -41,4 +41,9 @@ class EntryBody:
 
     info: EntryInfo
     buffer: memoryview | None = None
-    chunks: AsyncIterator[bytes] | None = None
+    chunks: AsyncGenerator[bytes, None] | None = None
+
+    async def aclose(self) -> None:
+        """Release a stream that will not be (fully) sent."""
+        if self.chunks is not None:
+            await self.chunks.aclose()

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -269,7 +269,7 @@ class S3Fill:
         self._readers -= 1
         self._maybe_close()
 
-    async def stream(self, chunk_size: int) -> AsyncIterator[bytes]:
+    async def stream(self, chunk_size: int) -> AsyncGenerator[bytes, None]:
         """The body as it lands on disk. Call after ``ready`` gave an entry; ``detach``
         happens when the iterator ends or is closed."""
         try:
