@@ -187,7 +187,7 @@ def test_tensor_memoryview_keeps_tensor_alive() -> None:
 
 
 # -- CRC32C ------------------------------------------------------------------------------
-def test_crc32c_matches_google_crc32c() -> None:
+def test_crc32c_matches_an_independent_implementation() -> None:
     data = bytes(range(256)) * 4099
     expected = google_crc32c.value(data)
     assert _crc.crc32c(data) == expected
@@ -198,10 +198,6 @@ def test_crc32c_matches_google_crc32c() -> None:
         c.update(memoryview(bytearray(data[i : i + 1000])))
     assert c.value == expected
     assert _crc.crc32c(b"") == 0
-
-
-def test_crc32c_uses_the_native_library() -> None:
-    assert _crc.native, "the ctypes path to the wheel's libcrc32c was not found"
 
 
 # -- buffer pool -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tests.s3.harness import (
     SeaweedFS,
     endpoint_from_env,
 )
+from tests.support.server import ServerProcess
 
 MiB = 1024 * 1024
 
@@ -167,3 +168,40 @@ def tmp_file(tmp_path: Path) -> Callable[[bytes], Path]:
         return path
 
     return write
+
+
+ServerFactory = Callable[..., ServerProcess]
+
+
+@pytest.fixture
+def make_server(tmp_path: Path, s3_endpoint: S3Endpoint, s3_prefix: str) -> Iterator[ServerFactory]:
+    """``make_server(name, endpoint_url=None, **EC_settings)``: a server on the test's S3
+    prefix with its own data dir (``name`` picks it: same name = same dir)."""
+    servers: list[ServerProcess] = []
+
+    def factory(
+        name: str = "a",
+        *,
+        endpoint_url: str | None = None,
+        start: bool = True,
+        env: dict[str, str] | None = None,
+        **settings: str | int,
+    ) -> ServerProcess:
+        root = tmp_path / name
+        root.mkdir(exist_ok=True)
+        settings.setdefault("s3_unavailable_cooldown", "0.5")
+        settings.setdefault("s3_connect_timeout", "2")
+        settings.setdefault("s3_max_attempts", "2")
+        settings.setdefault("writeback_retry_min", "0.2")
+        settings.setdefault("writeback_retry_max", "1")
+        settings.setdefault("log_level", "info")
+        srv = ServerProcess(root / "data", root / "server.log", **settings)
+        srv.env.update(s3_endpoint.env(endpoint_url, prefix=s3_prefix))
+        srv.env.update({f"EC_{k.upper()}": str(v) for k, v in settings.items()})
+        srv.env.update(env or {})
+        servers.append(srv)
+        return srv.start() if start else srv
+
+    yield factory
+    for srv in servers:
+        srv.stop()

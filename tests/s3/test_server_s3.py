@@ -12,19 +12,16 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
-import pytest
 
-from tests.s3.conftest import S3Control
+from tests.s3.conftest import S3Control, ServerFactory
 from tests.s3.harness import CountingProxy, S3Endpoint
 from tests.support.entries import body, crc_hex
 from tests.support.server import ServerProcess
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
-ServerFactory = Callable[..., ServerProcess]
 
 
 def entry(rows: int, seed: int = 0, cols: int = 1024) -> bytes:
@@ -64,40 +61,6 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-@pytest.fixture
-def make_server(tmp_path: Path, s3_endpoint: S3Endpoint, s3_prefix: str) -> Iterator[ServerFactory]:
-    """``make_server(name, endpoint_url=None, **EC_settings)``: a server on the test's S3
-    prefix with its own data dir (``name`` picks it: same name = same dir)."""
-    servers: list[ServerProcess] = []
-
-    def factory(
-        name: str = "a",
-        *,
-        endpoint_url: str | None = None,
-        start: bool = True,
-        env: dict[str, str] | None = None,
-        **settings: str | int,
-    ) -> ServerProcess:
-        root = tmp_path / name
-        root.mkdir(exist_ok=True)
-        settings.setdefault("s3_unavailable_cooldown", "0.5")
-        settings.setdefault("s3_connect_timeout", "2")
-        settings.setdefault("s3_max_attempts", "2")
-        settings.setdefault("writeback_retry_min", "0.2")
-        settings.setdefault("writeback_retry_max", "1")
-        settings.setdefault("log_level", "info")
-        srv = ServerProcess(root / "data", root / "server.log", **settings)
-        srv.env.update(s3_endpoint.env(endpoint_url, prefix=s3_prefix))
-        srv.env.update({f"EC_{k.upper()}": str(v) for k, v in settings.items()})
-        srv.env.update(env or {})
-        servers.append(srv)
-        return srv.start() if start else srv
-
-    yield factory
-    for srv in servers:
-        srv.stop()
 
 
 def client_for(srv: ServerProcess) -> httpx.Client:
