@@ -120,6 +120,10 @@ class PendingWrite:
         """Publish the file; False (and nothing stored) when the key already exists."""
         self.done = True
         try:
+            if self.tier.contains(self.key):  # first writer already won: spare the fsync
+                os.close(self.fd)
+                self.path.unlink()
+                return False
             os.fsync(self.fd)
             os.close(self.fd)
             return self.tier._publish(self, crc, header)
