@@ -130,6 +130,7 @@ class Endpoints:
     hot_url: str
     writeback: ec_cache.Client
     writeback_url: str
+    disk_only: ec_cache.Client
     s3: Any  # boto3 client
     bucket: str
     prefix: str
@@ -194,9 +195,8 @@ def get_contenders(
     def local_load(next_item: Callable[[], Item]) -> Callable[[int], int]:
         def op(_: int) -> int:
             item = next_item()
-            safetensors.torch.load_file(local_path(ep.local_dir, item.key), device="cpu")[
-                "ec_cache"
-            ]
+            lazy = safetensors.torch.load_file(local_path(ep.local_dir, item.key), device="cpu")
+            lazy["ec_cache"].clone()  # on CPU load_file maps the file: read the bytes
             return item.payload.size
 
         return op
@@ -251,7 +251,8 @@ def get_contenders(
             "safetensors load_file (node-local)",
             "alternative",
             local_load(cycle(items)),
-            note="vLLM example EC connector; page-cached",
+            note="vLLM example EC connector; page-cached file, mmap'd by load_file, "
+            ".clone() reads it (as the copy to the GPU would)",
         ),
     ]
 
@@ -305,10 +306,16 @@ def put_contenders(
         for key in taken(label):
             client.delete(key)
 
-    def writeback_after() -> dict[str, Any]:
-        drain = wait_upload_queue_empty(ep.writeback_url)
-        sdk_cleanup(ep.writeback, "wb")
-        return {"upload_queue_drain_s": round(drain, 4)}
+    def writeback_after(label: str) -> Callable[[], dict[str, Any]]:
+        def after() -> dict[str, Any]:
+            drain = wait_upload_queue_empty(ep.writeback_url)
+            sdk_cleanup(ep.writeback, label)
+            return {"upload_queue_drain_s": round(drain, 4)}
+
+        return after
+
+    def idle_queue() -> None:
+        wait_upload_queue_empty(ep.writeback_url)
 
     def boto3_put(_: int) -> int:
         ep.s3.put_object(Bucket=ep.bucket, Key=f"alt/{new_key('boto3')}", Body=body)
@@ -346,8 +353,24 @@ def put_contenders(
             "ec-cache SDK PUT, write-back",
             "ec-cache",
             sdk_put(ep.writeback, "wb"),
-            writeback_after,
-            note="201 on disk (fsync) + journal; upload drained after each round, untimed",
+            writeback_after("wb"),
+            note="201 on disk (fsync) + journal; back to back, so earlier uploads run "
+            "meanwhile; queue drained after each round, untimed",
+        ),
+        Contender(
+            "ec-cache SDK PUT, write-back, idle queue",
+            "diagnostic",
+            sdk_put(ep.writeback, "wb-idle"),
+            writeback_after("wb-idle"),
+            note="same, but the upload queue is drained before each PUT (untimed)",
+            before_each=idle_queue,
+        ),
+        Contender(
+            "ec-cache SDK PUT, disk only",
+            "diagnostic",
+            sdk_put(ep.disk_only, "disk"),
+            cleanup_with(lambda: sdk_cleanup(ep.disk_only, "disk")),
+            note="server without S3: receive, validate, CRC32C, write, fsync, rename",
         ),
         Contender(
             "ec-cache SDK PUT, write-through",

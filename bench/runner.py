@@ -22,6 +22,8 @@ class Contender:
     #: Outside the timed section, after each round: cleanup, drains...
     after_round: Callable[[], dict[str, Any] | None] | None = None
     note: str = ""
+    #: Outside the timed section, before each request (e.g. wait for an idle server).
+    before_each: Callable[[], None] | None = None
 
 
 @dataclass
@@ -79,6 +81,8 @@ def interleaved(
             seconds: list[float] = []
             moved = 0
             for i in range(requests):
+                if contender.before_each is not None:
+                    contender.before_each()
                 start = time.perf_counter()
                 moved += contender.op(i)
                 seconds.append(time.perf_counter() - start)

@@ -29,6 +29,8 @@ GET_CONTENDERS = {
 PUT_CONTENDERS = {
     "nginx DAV PUT",
     "ec-cache SDK PUT, write-back",
+    "ec-cache SDK PUT, write-back, idle queue",
+    "ec-cache SDK PUT, disk only",
     "ec-cache SDK PUT, write-through",
     "boto3 put_object",
     "safetensors save_file (node-local)",
@@ -81,6 +83,7 @@ def test_quick_run_writes_every_contender(quick_run: Path) -> None:
     for key in (
         "ec-cache SDK head x1",
         "ec-cache SDK head x64",
+        "ec-cache SDK head, interleaved",
         "exists_many 1 present",
         "exists_many 100 present",
         "exists_many 1000 present",
