@@ -224,6 +224,7 @@ schema = {
                         "workers": opt_int("EC_WRITEBACK_WORKERS", 1, 64),
                         "retryMin": pos_num("EC_WRITEBACK_RETRY_MIN (seconds)"),
                         "retryMax": pos_num("EC_WRITEBACK_RETRY_MAX (seconds)"),
+                        "drainTimeout": pos_num("EC_WRITEBACK_DRAIN_TIMEOUT (seconds)"),
                     }
                 ),
                 "anonymous": {

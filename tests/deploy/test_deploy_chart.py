@@ -175,6 +175,7 @@ EVERY_SETTING: dict[str, Any] = {
             "workers": 2,
             "retryMin": 1,
             "retryMax": 30,
+            "drainTimeout": 5,
         },
         "anonymous": "read",
         "metricsPublic": True,

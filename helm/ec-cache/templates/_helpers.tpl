@@ -111,6 +111,7 @@ EC_S3_CREATE_BUCKET: {{ ternary "true" "false" (eq (toString $c.s3.createBucket)
   (list "EC_WRITEBACK_WORKERS" $c.writeback.workers "")
   (list "EC_WRITEBACK_RETRY_MIN" $c.writeback.retryMin "")
   (list "EC_WRITEBACK_RETRY_MAX" $c.writeback.retryMax "")
+  (list "EC_WRITEBACK_DRAIN_TIMEOUT" $c.writeback.drainTimeout "")
   (list "EC_ANONYMOUS" $c.anonymous "")
   (list "EC_METRICS_PUBLIC" $c.metricsPublic "")
   (list "EC_MAX_CONCURRENT_UPLOADS" $c.maxConcurrentUploads "")
@@ -211,9 +212,9 @@ Renders "" when the text is not such a size.
 {{- if and (not $hasTokens) (or (kindIs "invalid" $v.config.anonymous) (eq (toString $v.config.anonymous) "none")) -}}
 {{- fail "no auth tokens (auth.tokens / auth.tokensFile) and no anonymous access (config.anonymous): the server refuses to start like that on a pod's listener. Configure tokens, or set config.anonymous to read or read-write" -}}
 {{- end -}}
-{{- $shutdown := $v.config.shutdownTimeout | default 30 | float64 -}}
+{{- $shutdown := addf ($v.config.shutdownTimeout | default 30 | float64) ($v.config.writeback.drainTimeout | default 10 | float64) -}}
 {{- if lt (float64 $v.terminationGracePeriodSeconds) (addf (float64 $v.preStopSleepSeconds) $shutdown) -}}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must be >= preStopSleepSeconds (%v) + config.shutdownTimeout (%v): the kubelet would kill in-flight requests" $v.terminationGracePeriodSeconds $v.preStopSleepSeconds $shutdown) -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be >= preStopSleepSeconds (%v) + config.shutdownTimeout + config.writeback.drainTimeout (%v): the kubelet would kill in-flight requests" $v.terminationGracePeriodSeconds $v.preStopSleepSeconds $shutdown) -}}
 {{- end -}}
 {{- $disk := include "ec-cache.bytes" (dict "value" $v.config.diskMaxBytes "server" true) -}}
 {{- if not $disk -}}
