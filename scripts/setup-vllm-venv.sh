@@ -7,7 +7,7 @@
 #   .venv-vllm/bin/python -m pytest tests/vllm
 #
 # Order matters: torch==2.13.0 first (the CPU build this machine has locally); every
-# later install is --no-deps, so pip never resolves torch itself (vLLM's metadata pins
+# later install but the SDK's is --no-deps, so pip never resolves torch itself (vLLM's metadata pins
 # a CUDA torch of several GB). About 2.2 GB on disk, ~90 s with a warm pip cache.
 set -euo pipefail
 
@@ -43,8 +43,10 @@ if ! have vllm "$VLLM_VERSION" || ! have xgrammar "$XGRAMMAR_VERSION"; then
 fi
 echo "setup-vllm-venv: pure-Python requirements (--no-deps)"
 "${PIP[@]}" --no-deps -r "$ROOT/tests/vllm/requirements.txt"
-echo "setup-vllm-venv: the SDK (editable, --no-deps)"
-"${PIP[@]}" --no-deps -e "$ROOT/client"
+# With its own dependencies: its only torch requirement is a range that the installed
+# 2.13.0 satisfies, so pip adds nothing torch-related; the check below makes sure.
+echo "setup-vllm-venv: the SDK (editable)"
+"${PIP[@]}" -e "$ROOT/client"
 
 # The torch build must still be the local CPU one (nothing above may have replaced it).
 "$VENV/bin/python" - <<EOF

@@ -759,6 +759,8 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         if answer is not None:
             return answer
         if not self._breaker.healthy:
+            if self._breaker.state == "half-open":
+                return None  # the cooldown is over: let the next request probe
             self._step_answers[identifier] = False
             self._step_outage.add(identifier)
             return False

@@ -83,8 +83,10 @@ class Server:
                 self.proc.wait(timeout=5)
 
 
-def start_server(tmp: Path, env_extra: dict[str, str] | None = None) -> Server:
-    port = free_port()
+def start_server(
+    tmp: Path, env_extra: dict[str, str] | None = None, port: int | None = None
+) -> Server:
+    port = port or free_port()
     data = tmp / "ec-data"
     data.mkdir(parents=True, exist_ok=True)
     log = tmp / "server.log"

@@ -274,6 +274,39 @@ def test_outage_answers_miss_within_the_time_bound(
         assert sched._breaker.state == "open"
 
 
+def test_breaker_probes_and_recovers(
+    tmp_path: Any, connector: Callable[..., ECCacheConnector]
+) -> None:
+    from conftest import free_port, start_server
+
+    port = free_port()
+    model = ns()
+    sched = connector(
+        SCHED,
+        {"url": f"http://127.0.0.1:{port}", "model": model, "dtype": DTYPE,
+         "breaker_failures": 1, "breaker_cooldown_s": 0.5},
+    )  # fmt: skip
+    h = mm_hash()
+    assert sched.has_cache_item(h) is False  # nothing listens: the breaker opens
+    opened = time.monotonic()
+    assert sched._breaker.state == "open"
+    sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert sched.has_cache_item(h) is False  # cooling down: no network
+    assert sched.counters()["exists_requests"] == 1
+    srv = start_server(tmp_path, port=port)
+    try:
+        put_raw(srv, model, h, embeds())
+        time.sleep(max(0.0, opened + 0.6 - time.monotonic()))
+        sched.build_connector_meta(SchedulerOutput.make_empty())
+        req = make_request([h])
+        sched.ensure_cache_available(req, 0)  # the probe
+        assert sched.has_cache_item(h) is True
+        assert sched._breaker.state == "closed"
+        assert sched.counters()["exists_requests"] == 2
+    finally:
+        srv.stop()
+
+
 def test_server_death_stops_local_positives(
     own_server: Server, connector: Callable[..., ECCacheConnector]
 ) -> None:
