@@ -132,6 +132,7 @@ async def get_entry(
     if if_none_match is not None and body.info.etag in if_none_match:
         await body.aclose()
         return Response(status_code=304, headers={"ETag": body.info.etag})
+    store.metrics.bytes_sent.inc(body.info.size)
     return EntryResponse(body.info, body)
 
 

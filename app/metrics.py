@@ -66,7 +66,7 @@ class Metrics:
         )
         self.bytes_sent = Counter(
             "ec_get_bytes",
-            "Body bytes of GETs that were answered.",
+            "Body bytes of GETs answered with 200 (an aborted send still counts).",
             registry=self.registry,
         )
         self.rejected_puts = Counter(

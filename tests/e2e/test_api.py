@@ -332,6 +332,7 @@ def test_metrics_count_requests_hits_and_disk(client: httpx.Client) -> None:
     assert "ec_http_request_duration_seconds_bucket{" in text
     assert 'ec_cache_lookups_total{result="disk"}' in text
     assert 'ec_cache_lookups_total{result="miss"}' in text
+    assert "ec_get_bytes_total" in text and "ec_put_bytes_total" in text
     for name in ("ec_disk_used_bytes", "ec_disk_max_bytes", "ec_disk_evictions_total"):
         assert name in text
     assert "met-absent" not in text  # keys never become label values
