@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="tests/vllm run in .venv-vllm (scripts/setup-vllm-venv.sh)")
 
+import dataclasses
 import pickle
 import time
 import uuid
@@ -456,6 +457,47 @@ def test_failed_load_is_recomputed_in_the_same_step(
     assert shipped.scheduled_encoder_inputs == {"r-lost": [1]}
     c = worker.counters()
     assert c["load_failed"] == 1 and c["load_recomputed"] == 1
+
+
+def test_vllm_model_runner_encodes_the_recomputed_item(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    """vLLM's own V1 model runner code that picks this step's encoder work out of the
+    SchedulerOutput sees the item added by the failed load. (The runner object itself
+    needs a GPU; only its ``requests`` table is stood in for, with vLLM's
+    ``CachedRequestState``.)"""
+    import types
+
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    model = ns()
+    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    kept, lost, computed = mm_hash(), mm_hash(), mm_hash()
+    put_raw(server, model, kept, embeds(seed=1))
+    put_raw(server, model, lost, embeds(seed=2))
+    sched, worker = connector(SCHED, extra), connector(WORKER, extra)
+    req = make_request([kept, computed, lost], req_id="r-runner")
+    out, _ = step(sched, [req])
+    delete_raw(server, model, lost)
+    shipped = pickle.loads(pickle.dumps(out))
+    worker.bind_connector_metadata(shipped.ec_connector_metadata)
+    worker.start_load_caches({})
+    features = [dataclasses.replace(f, data=MultiModalKwargsItem.dummy()) for f in req.mm_features]
+    state = CachedRequestState(
+        req_id="r-runner",
+        prompt_token_ids=req.prompt_token_ids,
+        mm_features=features,
+        sampling_params=req.sampling_params,
+        generator=None,
+        block_ids=([],),
+        num_computed_tokens=0,
+        output_token_ids=[],
+    )
+    runner = types.SimpleNamespace(requests={"r-runner": state})
+    mm_hashes, _, _ = GPUModelRunner._batch_mm_inputs_from_scheduler(runner, shipped)  # type: ignore[arg-type]
+    assert sorted(mm_hashes) == sorted([computed, lost])
 
 
 def test_failed_load_is_loud_when_it_cannot_be_recomputed(
