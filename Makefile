@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint typecheck pytest-suite deploy-check bench clean
+.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests bench bench-quick clean
 
 $(VENV)/.server: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(VENV)/.server: pyproject.toml
 
 $(VENV)/.test: pyproject.toml client/pyproject.toml $(VENV)/.server
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[test]' -e './client[numpy]'
+	$(PIP) -e '.[test,bench]' -e './client[numpy]'
 	touch $@
 
 ## run: start the server on its embedded default (disk only, data in ./ec-data)
@@ -25,7 +25,13 @@ run: $(VENV)/.server
 	$(PY) -m app
 
 ## test: create the environments, lint, type-check and run the whole test suite
-test: lint typecheck deploy-check pytest-suite
+test: system-deps lint typecheck deploy-check pytest-suite vllm-tests
+
+## system-deps: nginx (benchmarks' reference server) from Debian, when missing
+system-deps:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+	  echo "installing nginx (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check app client bench tests
@@ -34,17 +40,26 @@ lint: $(VENV)/.test
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy app client/ec_cache
 
-# Server, SDK, S3 and end-to-end tests; tests/deploy runs under deploy-check with its tools.
-pytest-suite: $(VENV)/.test
-	$(PY) -m pytest tests --ignore=tests/deploy
-
 ## deploy-check: hadolint, compose config, helm lint/template, schema validation, tests/deploy
 deploy-check:
 	bash deploy/check.sh
 
-## bench: the full benchmark run (see bench/README.md)
-bench: $(VENV)/.test
-	$(PY) -m bench.disk_get
+# Server, SDK, S3, end-to-end and benchmark smoke tests (tests/deploy runs in deploy-check
+# with its tools, tests/vllm in vllm-tests with vLLM's own pins).
+pytest-suite: $(VENV)/.test
+	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm
+
+## vllm-tests: the connector against vLLM 0.33.0's own classes, in .venv-vllm
+vllm-tests: $(VENV)/.server
+	bash scripts/setup-vllm-venv.sh
+	.venv-vllm/bin/python -m pytest tests/vllm
+
+## bench: every contender side by side; results in bench/results/ (see bench/README.md)
+bench: system-deps $(VENV)/.test
+	$(PY) -m bench
+
+bench-quick: system-deps $(VENV)/.test
+	$(PY) -m bench --quick
 
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache .mypy_cache .ruff_cache
