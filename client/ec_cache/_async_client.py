@@ -15,8 +15,14 @@ from ._async_transport import AsyncBody, AsyncTransport
 from ._buffers import BufferPool
 from ._client import Device, _device
 from ._config import Limits, Retries, Timeouts
-from ._core import EXISTS_BATCH, AsyncIterReader, Progress, Receiver, RetryableStatus
-from ._exceptions import ECCacheError, IntegrityError, TransportError, UnavailableError
+from ._core import AsyncIterReader, Progress, Receiver, RetryableStatus
+from ._exceptions import (
+    ConnectError,
+    ECCacheError,
+    IntegrityError,
+    TransportError,
+    UnavailableError,
+)
 from ._routing import Router
 from ._tensors import DTYPES, EntryInfo, check_hash, check_model, parse_dtype
 
@@ -149,16 +155,24 @@ class AsyncClient:
     async def exists_many(self, hashes: Iterable[str]) -> list[bool]:
         """See :meth:`Client.exists_many`; replicas are asked concurrently."""
         hashes = [check_hash(h) for h in hashes]
+        orders = [self._order(h) for h in hashes]
         present = [False] * len(hashes)
-        jobs: list[tuple[list[int], Awaitable[list[bool]]]] = []
-        for order, indices in self._groups(hashes):
-            for start in range(0, len(indices), EXISTS_BATCH):
-                batch = indices[start : start + EXISTS_BATCH]
-                jobs.append((batch, self._exists_batch(order, [hashes[i] for i in batch])))
-        answers = await asyncio.gather(*(job for _, job in jobs))
-        for (batch, _), answer in zip(jobs, answers, strict=True):
-            for i, value in zip(batch, answer, strict=True):
-                present[i] = value
+        pending, dead = list(range(len(hashes))), set[str]()
+        while pending:
+            batches, pending = _core.exists_batches(orders, pending, dead), []
+            answers = await asyncio.gather(
+                *(self._exists_batch([url], [hashes[i] for i in batch]) for url, batch in batches),
+                return_exceptions=True,
+            )
+            for (url, batch), answer in zip(batches, answers, strict=True):
+                if isinstance(answer, ConnectError):  # each key moves on to its next replica
+                    dead.add(url)
+                    pending += batch
+                elif isinstance(answer, BaseException):
+                    raise answer
+                else:
+                    for i, value in zip(batch, answer, strict=True):
+                        present[i] = value
         return present
 
     async def get_many(
@@ -251,13 +265,6 @@ class AsyncClient:
 
     def _order(self, hash: str) -> list[str]:
         return self.router.order(self.model, self.dtype, hash)
-
-    def _groups(self, hashes: list[str]) -> list[tuple[list[str], list[int]]]:
-        groups: dict[str, tuple[list[str], list[int]]] = {}
-        for i, h in enumerate(hashes):
-            order = self._order(h)
-            groups.setdefault(order[0], (order, []))[1].append(i)
-        return list(groups.values())
 
     async def _exists_batch(self, order: list[str], batch: list[str]) -> list[bool]:
         path = f"/ec/{self.model}/{self.dtype}/_exists"

@@ -15,8 +15,14 @@ import torch
 from . import _core
 from ._buffers import BufferPool
 from ._config import Limits, Retries, Timeouts
-from ._core import EXISTS_BATCH, IterReader, Progress, Receiver, RetryableStatus
-from ._exceptions import ECCacheError, IntegrityError, TransportError, UnavailableError
+from ._core import IterReader, Progress, Receiver, RetryableStatus
+from ._exceptions import (
+    ConnectError,
+    ECCacheError,
+    IntegrityError,
+    TransportError,
+    UnavailableError,
+)
 from ._routing import Router
 from ._tensors import EntryInfo, check_hash, check_model, parse_dtype
 from ._transport import SyncBody, SyncTransport
@@ -186,11 +192,18 @@ class Client:
         """Existence of many hashes, in order: one ``POST .../_exists`` per replica and
         per 1000 hashes."""
         hashes = [check_hash(h) for h in hashes]
+        orders = [self._order(h) for h in hashes]
         present = [False] * len(hashes)
-        for order, indices in self._groups(hashes):
-            for start in range(0, len(indices), EXISTS_BATCH):
-                batch = indices[start : start + EXISTS_BATCH]
-                answer = self._exists_batch(order, [hashes[i] for i in batch])
+        pending, dead = list(range(len(hashes))), set[str]()
+        while pending:
+            batches, pending = _core.exists_batches(orders, pending, dead), []
+            for url, batch in batches:
+                try:
+                    answer = self._exists_batch([url], [hashes[i] for i in batch])
+                except ConnectError:  # each key moves on to its own next replica
+                    dead.add(url)
+                    pending += batch
+                    continue
                 for i, value in zip(batch, answer, strict=True):
                     present[i] = value
         return present
@@ -283,13 +296,6 @@ class Client:
 
     def _order(self, hash: str) -> list[str]:
         return self.router.order(self.model, self.dtype, hash)
-
-    def _groups(self, hashes: list[str]) -> list[tuple[list[str], list[int]]]:
-        groups: dict[str, tuple[list[str], list[int]]] = {}
-        for i, h in enumerate(hashes):
-            order = self._order(h)
-            groups.setdefault(order[0], (order, []))[1].append(i)
-        return list(groups.values())
 
     def _exists_batch(self, order: list[str], batch: list[str]) -> list[bool]:
         path = f"/ec/{self.model}/{self.dtype}/_exists"

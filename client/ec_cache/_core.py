@@ -4,7 +4,7 @@ the sans-I/O receiving of a tensor body."""
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -39,6 +39,25 @@ Progress = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called as a body goes out or comes in."""
 
 EXISTS_BATCH = 1000
+
+
+def exists_batches(
+    orders: Sequence[Sequence[str]], pending: Iterable[int], dead: set[str]
+) -> list[tuple[str, list[int]]]:
+    """Group keys (by index) under the first replica of their own order that is not
+    ``dead``, in batches of at most ``EXISTS_BATCH``; a key with no live replica left
+    raises ``ConnectError``."""
+    groups: dict[str, list[int]] = {}
+    for i in pending:
+        url = next((u for u in orders[i] if u not in dead), None)
+        if url is None:
+            raise ConnectError(f"no replica reachable: {', '.join(sorted(dead))}", url=orders[i][0])
+        groups.setdefault(url, []).append(i)
+    return [
+        (url, indices[start : start + EXISTS_BATCH])
+        for url, indices in groups.items()
+        for start in range(0, len(indices), EXISTS_BATCH)
+    ]
 
 
 class RetryableStatus(Exception):

@@ -677,11 +677,6 @@ def test_a_dead_replica_fails_over(
     assert all(torch.equal(loaded[h], t) for h, t in outputs.items())
 
 
-@pytest.mark.xfail(
-    reason="SDK: Client.exists_many asks all keys sharing a dead primary replica at the "
-    "first key's fallback replica, not at each key's own (reported to the SDK owner)",
-    strict=False,
-)
 def test_a_dead_replica_among_three_fails_over(
     server: Server,
     own_server: Server,
