@@ -245,7 +245,8 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
                 if part in entry
             }
             fig, ax = plt.subplots(figsize=(10, 4.5))
-            _bars(ax, groups, "MB/s (median of rounds)")
+            _bars(ax, groups, "MB/s (median of rounds, log scale)")
+            ax.set_yscale("log")
             ax.set_title(f"{part.upper()} throughput, one client, sequential")
             save(fig, key)
     scale = results.get("scale")

@@ -398,6 +398,7 @@ def scale(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
     client.put("scale", tensor)
     (nginx.www / "scale.safetensors").write_bytes(payload.body(tensor))
     pool = urllib3.HTTPConnectionPool("127.0.0.1", nginx.port, maxsize=64, block=True)
+    ec_pool = urllib3.HTTPConnectionPool("127.0.0.1", srv.port, maxsize=64, block=True)
 
     def sdk(_: int, __: int) -> int:
         if client.get("scale") is None:
@@ -407,7 +408,14 @@ def scale(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
     def ngx(_: int, __: int) -> int:
         return len(pool.request("GET", "/scale.safetensors").data)
 
-    contenders = {"nginx+urllib3": ngx, "ec-cache SDK, disk hit": sdk}
+    def ec_urllib3(_: int, __: int) -> int:
+        return len(ec_pool.request("GET", f"/ec/{MODEL}/{DTYPE}/scale").data)
+
+    contenders = {
+        "nginx+urllib3": ngx,
+        "ec-cache SDK, disk hit": sdk,
+        "ec-cache urllib3, disk hit": ec_urllib3,
+    }
     levels: dict[str, Any] = {}
     for clients in plan.scale_clients:
         per_client = max(2, plan.scale_requests // clients)
@@ -431,6 +439,7 @@ def scale(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
         log(f"scale: {clients} clients done")
     client.close()
     pool.close()
+    ec_pool.close()
     svc.stop_server(srv)
     return {
         "payload": payload.name,
