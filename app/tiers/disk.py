@@ -346,6 +346,8 @@ class DiskTier:
         """Pop least recently used, unpinned entries until within the bound (or until
         ``until_freed`` bytes are freed)."""
         victims: list[_Entry] = []
+        if until_freed is None and self._used <= self.max_bytes:
+            return victims  # the common case: no copy of a large index under the lock
         freed = 0
         for digest in list(self._index):
             if until_freed is None and self._used <= self.max_bytes:
