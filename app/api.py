@@ -36,17 +36,17 @@ ENTRY_DOC = (
 )
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def entry_key(model: str, dtype: str, hash: str) -> EntryKey:
+async def entry_key(model: str, dtype: str, hash: str) -> EntryKey:
     return EntryKey.parse(model, dtype, hash)
 
 
@@ -56,14 +56,14 @@ class Require:
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
 
-    def __call__(self, request: Request) -> Principal:
+    async def __call__(self, request: Request) -> Principal:
         authenticator: Authenticator = request.app.state.authenticator
         return authenticator.authorize(request.headers.get("authorization"), self.scope)
 
 
-def metrics_access(request: Request) -> None:
+async def metrics_access(request: Request) -> None:
     if not request.app.state.settings.metrics_public:
-        Require(Scope.READ)(request)
+        await Require(Scope.READ)(request)
 
 
 async def _with_idle_timeout(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
@@ -86,6 +86,8 @@ IsAdmin = Depends(Require(Scope.ADMIN))
 StoreDep = Annotated[Store, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 KeyDep = Annotated[EntryKey, Depends(entry_key)]
+# Dependencies are coroutines on purpose: FastAPI runs plain ``def`` ones in a thread
+# pool, one thread hop each per request.
 
 router = APIRouter()
 
