@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
-import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -101,7 +101,7 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send)
             return
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming if _REQUEST_ID_RE.match(incoming) else uuid.uuid4().hex
+        request_id = incoming if _REQUEST_ID_RE.match(incoming) else os.urandom(16).hex()
         scope.setdefault("state", {})["request_id"] = request_id
         start = time.perf_counter()
         status = 0
