@@ -141,6 +141,9 @@ class S3Fill:
         loop = asyncio.get_running_loop()
         #: The entry's description once its header arrived; None when S3 has no object.
         self.ready: asyncio.Future[EntryInfo | None] = loop.create_future()
+        #: Set once the whole body passed its length and CRC32C checks; readers release
+        #: the last bytes on it, without waiting for the disk commit's fsyncs.
+        self.verified: asyncio.Future[None] = loop.create_future()
         #: True once the body was verified (and committed to disk when it fits there).
         self.finished: asyncio.Future[bool] = loop.create_future()
         self.size = 0
@@ -154,6 +157,7 @@ class S3Fill:
         self._task: asyncio.Task[None] | None = None
         # Futures nobody awaits (e.g. every client left) must not log "never retrieved".
         self.ready.add_done_callback(_consume)
+        self.verified.add_done_callback(_consume)
         self.finished.add_done_callback(_consume)
 
     def start(self) -> None:
@@ -170,7 +174,7 @@ class S3Fill:
         self._changed = asyncio.Event()
 
     def _fail(self, exc: BaseException) -> None:
-        for future in (self.ready, self.finished):
+        for future in (self.ready, self.verified, self.finished):
             if not future.done():
                 future.set_exception(exc)
         self._notify()
@@ -213,6 +217,8 @@ class S3Fill:
                         )
                     self._notify()
                 header = validator.finish()  # length and CRC32C
+                self.verified.set_result(None)
+                self._notify()
             created = await anyio.to_thread.run_sync(pending.commit, validator.crc, header)
             tier.metrics.fills.labels("committed" if created else "exists").inc()
             if not self.ready.done():  # no CRC in the object's metadata: known only now
@@ -283,7 +289,7 @@ class S3Fill:
                 end = min(self._written, offset + chunk_size)
                 if end == size:
                     # Release the last bytes only once the whole body is verified.
-                    await asyncio.shield(self.finished)
+                    await asyncio.shield(self.verified)
                 reader = self._reader_file
                 assert reader is not None
                 data = await anyio.to_thread.run_sync(
