@@ -14,8 +14,18 @@ from app.safetensors_format import MAX_HEADER_BYTES, BodyValidator, validate_bod
 from tests.support.entries import body
 
 
-def _feed_all(data: bytes, dtype: str = "float32", chunk: int = 7, **kwargs: object) -> None:
-    validator = BodyValidator(dtype, max_bytes=kwargs.pop("max_bytes", 1 << 30), **kwargs)  # type: ignore[arg-type]
+def _feed_all(
+    data: bytes,
+    dtype: str = "float32",
+    chunk: int = 7,
+    *,
+    expected_crc: int | None = None,
+    declared_length: int | None = None,
+) -> None:
+    """Validate ``data`` fed in small chunks, as a PUT body arrives."""
+    validator = BodyValidator(
+        dtype, max_bytes=1 << 30, expected_crc=expected_crc, declared_length=declared_length
+    )
     for start in range(0, len(data), chunk):
         validator.feed(data[start : start + chunk])
     validator.finish()
