@@ -226,8 +226,7 @@ async def exists_many(
             validate_hash(value)
         except InvalidKey as exc:
             raise InvalidRequest(f"hashes[{index}]: {exc.message}", part="hashes") from None
-    keys = [EntryKey(model, dtype, value) for value in request_body.hashes]
-    return ExistsResponse(present=await store.exists_many(keys))
+    return ExistsResponse(present=await store.exists_many(model, dtype, request_body.hashes))
 
 
 @router.get("/healthz", summary="Liveness")

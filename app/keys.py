@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 from app.errors import InvalidKey
 
@@ -68,6 +67,11 @@ def validate_hash(value: str) -> str:
     return value
 
 
+def key_digest(model: str, dtype: str, hash: str) -> str:
+    """The disk tier's name for a key (hashes may exceed NAME_MAX)."""
+    return hashlib.sha256(f"{model}/{dtype}/{hash}".encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class EntryKey:
     """One cache entry's identity; construct with :meth:`parse` to validate."""
@@ -75,6 +79,11 @@ class EntryKey:
     model: str
     dtype: str
     hash: str
+    #: ``key_digest`` of the key, computed once.
+    digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", key_digest(self.model, self.dtype, self.hash))
 
     @classmethod
     def parse(cls, model: str, dtype: str, hash: str) -> EntryKey:
@@ -90,11 +99,6 @@ class EntryKey:
     @property
     def itemsize(self) -> int:
         return DTYPES[self.dtype][1]
-
-    @cached_property
-    def digest(self) -> str:
-        """A fixed-length name for the disk tier (hashes may exceed NAME_MAX)."""
-        return hashlib.sha256(str(self).encode("utf-8")).hexdigest()
 
     def object_key(self, prefix: str) -> str:
         """The S3 key: ``{prefix}/{model}/{dtype}/{hash}.safetensors``."""

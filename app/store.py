@@ -15,7 +15,7 @@ from typing import Any
 import anyio.to_thread
 
 from app.errors import NotFound
-from app.keys import EntryKey
+from app.keys import EntryKey, key_digest
 from app.metrics import Metrics
 from app.safetensors_format import BodyValidator, TensorHeader
 from app.settings import Settings, WriteMode
@@ -135,8 +135,10 @@ class Store:
             return True
         return self.s3 is not None and await self.s3.exists(key)
 
-    async def exists_many(self, keys: Sequence[EntryKey]) -> list[bool]:
-        present = [self.disk.contains(key) for key in keys]
+    async def exists_many(self, model: str, dtype: str, hashes: Sequence[str]) -> list[bool]:
+        """Presence of many validated hashes of one model and dtype, in order. Keys are
+        built only for the disk misses that S3 is asked about (1000 at a time here)."""
+        present = self.disk.contains_digests([key_digest(model, dtype, h) for h in hashes])
         s3 = self.s3
         if s3 is None or all(present):
             return present
@@ -147,7 +149,9 @@ class Store:
                 return await s3.exists(key)
 
         missing = [index for index, found in enumerate(present) if not found]
-        answers = await asyncio.gather(*(check(keys[index]) for index in missing))
+        answers = await asyncio.gather(
+            *(check(EntryKey(model, dtype, hashes[index])) for index in missing)
+        )
         for index, found in zip(missing, answers, strict=True):
             present[index] = found
         return present
@@ -261,6 +265,8 @@ class Store:
         """Remove from every tier (and from the write-back queue)."""
         if self.uploads is not None:
             self.uploads.discard(key)
+        if self.s3 is not None:
+            await self.s3.settle(key)
         await anyio.to_thread.run_sync(self.disk.delete, key)
         if self.s3 is not None:
             await self.s3.delete(key)

@@ -205,6 +205,11 @@ class DiskTier:
         with self._lock:
             return key.digest in self._index
 
+    def contains_digests(self, digests: Sequence[str]) -> list[bool]:
+        """Presence of many keys by ``key_digest``, under one lock acquisition."""
+        with self._lock:
+            return [digest in self._index for digest in digests]
+
     def open(self, key: EntryKey) -> OpenedEntry | None:
         """Map the entry's file; None on a miss. Marks the entry most recently used."""
         with self._lock:

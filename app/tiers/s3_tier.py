@@ -371,6 +371,14 @@ class S3Tier:
         fill.attach()
         return fill
 
+    async def settle(self, key: EntryKey) -> None:
+        """Wait until no copy of ``key`` is in flight (its outcome does not matter), so
+        that a DELETE is not undone by a fill that commits after it."""
+        fill = self._fills.get(key.digest)
+        if fill is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fill.finished)
+
     def _fill_done(self, fill: S3Fill) -> None:
         if self._fills.get(fill.key.digest) is fill:
             del self._fills[fill.key.digest]

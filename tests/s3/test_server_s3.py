@@ -99,7 +99,8 @@ def test_write_through_round_trip_and_second_replica(
     assert got.headers["X-EC-CRC32C"] == crc_hex(data)
     assert got.headers["X-EC-Shape"] == "600,1024"
     assert got.headers["Content-Length"] == str(len(data))
-    # ... and has filled its disk tier with it.
+    # ... and has filled its disk tier with it (the commit may trail the last byte).
+    wait_for(lambda: b.get(url("h1")).headers["X-EC-Tier"] == "disk", 10, "the disk fill")
     again = b.get(url("h1"))
     assert again.headers["X-EC-Tier"] == "disk" and again.content == data
     assert b.get(url("nope")).status_code == 404
