@@ -349,24 +349,21 @@ class DiskTier:
 
     def _evict_locked(self, until_freed: int | None = None) -> list[_Entry]:
         """Pop least recently used, unpinned entries until within the bound (or until
-        ``until_freed`` bytes are freed)."""
-        victims: list[_Entry] = []
-        if until_freed is None and self._used <= self.max_bytes:
-            return victims  # the common case: no copy of a large index under the lock
+        ``until_freed`` bytes are freed). Walks the index from its LRU end and stops
+        early: never a copy of the whole index under the lock."""
+        need = self._used - self.max_bytes if until_freed is None else until_freed
+        chosen: list[str] = []
         freed = 0
-        for digest in list(self._index):
-            if until_freed is None and self._used <= self.max_bytes:
+        for digest, entry in self._index.items():
+            if freed >= need:
                 break
-            if until_freed is not None and freed >= until_freed:
-                break
-            if digest in self._pinned:
-                continue
-            entry = self._index.pop(digest)
-            self._used -= entry.size
-            self._evictions += 1
-            self._evicted_bytes += entry.size
-            freed += entry.size
-            victims.append(entry)
+            if digest not in self._pinned:
+                chosen.append(digest)
+                freed += entry.size
+        victims = [self._index.pop(digest) for digest in chosen]
+        self._used -= freed
+        self._evictions += len(victims)
+        self._evicted_bytes += freed
         return victims
 
     def _drop_corrupt(self, key: EntryKey, entry: _Entry, reason: str) -> None:
