@@ -50,9 +50,10 @@ pytest-suite: $(VENV)/.test
 	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm
 
 ## vllm-tests: the connector against vLLM 0.33.0's own classes, in .venv-vllm
-vllm-tests: $(VENV)/.server
+vllm-tests: $(VENV)/.test
 	bash scripts/setup-vllm-venv.sh
 	.venv-vllm/bin/python -m pytest tests/vllm
+	$(VENV)/bin/mypy --python-executable .venv-vllm/bin/python client/ec_cache/vllm.py client/ec_cache/_vllm
 
 ## bench: every contender side by side; results in bench/results/ (see bench/README.md)
 bench: system-deps $(VENV)/.test
