@@ -229,12 +229,16 @@ async def exists_many(
     return ExistsResponse(present=await store.exists_many(model, dtype, request_body.hashes))
 
 
-@router.get("/healthz", summary="Liveness")
+@router.api_route("/healthz", methods=["GET", "HEAD"], summary="Liveness")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Readiness: disk writable, S3 reachable when configured")
+@router.api_route(
+    "/readyz",
+    methods=["GET", "HEAD"],
+    summary="Readiness: disk writable, S3 reachable when configured",
+)
 async def readyz(store: StoreDep) -> JSONResponse:
     checks = await store.readiness()
     ready = all(result == "ok" for result in checks.values())

@@ -310,6 +310,8 @@ def test_batch_exists(client: httpx.Client) -> None:
 
 def test_health_readiness_docs_and_stats(client: httpx.Client) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.head("/healthz").status_code == 200  # curl -I works on probes too
+    assert client.head("/readyz").status_code == 200
     ready = client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["checks"] == {"disk": "ok"}
