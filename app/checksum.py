@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import base64
-
 import crc32c as _crc32c
 
 if not _crc32c.hardware_based:  # pragma: no cover - depends on the CPU
@@ -30,12 +28,3 @@ def from_hex(text: str) -> int:
     if len(text) != 8:
         raise ValueError("a CRC32C is 8 hex digits")
     return int(text, 16)
-
-
-def to_base64(value: int) -> str:
-    """The form S3 uses in ``x-amz-checksum-crc32c``: base64 of the big-endian bytes."""
-    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
-
-
-def from_base64(text: str) -> int:
-    return int.from_bytes(base64.b64decode(text), "big")

@@ -92,14 +92,6 @@ class EntryKey:
     def __str__(self) -> str:
         return f"{self.model}/{self.dtype}/{self.hash}"
 
-    @property
-    def safetensors_dtype(self) -> str:
-        return DTYPES[self.dtype][0]
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
-
     def object_key(self, prefix: str) -> str:
         """The S3 key: ``{prefix}/{model}/{dtype}/{hash}.safetensors``."""
         name = f"{self}.safetensors"

@@ -543,10 +543,6 @@ class ObjectStore:
         ``unavailable_cooldown`` seconds ago)."""
         return time.monotonic() >= self._unavailable_until
 
-    @property
-    def last_unavailable_reason(self) -> str | None:
-        return self._last_unavailable
-
     def retry_after(self) -> float:
         """Seconds a client should wait before retrying (for ``Retry-After``)."""
         return max(

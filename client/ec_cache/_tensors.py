@@ -214,10 +214,6 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     return meta
 
 
-def format_shape(shape: tuple[int, ...]) -> str:
-    return ",".join(str(d) for d in shape)
-
-
 def parse_shape(text: str) -> tuple[int, ...]:
     text = text.strip()
     if not text:
