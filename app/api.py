@@ -188,13 +188,11 @@ async def put_entry(
     except ClientDisconnect:
         raise ClientGone("client disconnected before sending the whole body") from None
     request.state.body_consumed = True
-    etag = f'"{checksum.to_hex(result.crc32c)}"'
+    crc_hex = checksum.to_hex(result.crc32c)
     return JSONResponse(
-        PutResponse(
-            created=result.created, size=result.size, crc32c=checksum.to_hex(result.crc32c)
-        ).model_dump(),
+        PutResponse(created=result.created, size=result.size, crc32c=crc_hex).model_dump(),
         status_code=201 if result.created else 200,
-        headers={"ETag": etag, "X-EC-CRC32C": checksum.to_hex(result.crc32c)},
+        headers={"ETag": checksum.etag(result.crc32c), "X-EC-CRC32C": crc_hex},
     )
 
 

@@ -23,6 +23,11 @@ def to_hex(value: int) -> str:
     return f"{value:08x}"
 
 
+def etag(value: int) -> str:
+    """The strong ETag of a body with CRC32C ``value``."""
+    return f'"{to_hex(value)}"'
+
+
 def from_hex(text: str) -> int:
     """Parse 8 hex digits; raises ``ValueError`` for anything else."""
     if len(text) != 8:

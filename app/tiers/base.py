@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from app.checksum import to_hex
+from app import checksum
 from app.safetensors_format import TensorHeader
 
 
@@ -20,14 +20,14 @@ class EntryInfo:
 
     @property
     def etag(self) -> str:
-        return f'"{to_hex(self.crc32c)}"'
+        return checksum.etag(self.crc32c)
 
     def http_headers(self) -> dict[str, str]:
         return {
             "Content-Length": str(self.size),
             "Content-Type": "application/octet-stream",
             "ETag": self.etag,
-            "X-EC-CRC32C": to_hex(self.crc32c),
+            "X-EC-CRC32C": checksum.to_hex(self.crc32c),
             "X-EC-Dtype": self.header.dtype,
             "X-EC-Shape": self.header.shape_text,
             "X-EC-Data-Offset": str(self.header.data_offset),
