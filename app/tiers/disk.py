@@ -296,7 +296,7 @@ class DiskTier:
         if not created:
             pending.path.unlink()
             return False
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         self._unlink(victims)
         return True
 
@@ -385,7 +385,8 @@ class DiskTier:
                 entry.path.unlink()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

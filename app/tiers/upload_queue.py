@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from app.errors import InvalidKey
 from app.keys import EntryKey
-from app.tiers.disk import DiskTier
+from app.tiers.disk import DiskTier, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -276,11 +276,7 @@ class UploadQueue:
         finally:
             os.close(fd)
         os.rename(tmp, final)
-        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(self.directory)
 
     def activate(self, item: PendingUpload | None = None) -> None:
         """Make ``item`` due (its entry is committed) and wake a worker."""
