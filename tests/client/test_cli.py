@@ -15,7 +15,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from .conftest import CLIENT_DIR, ServerProcess, free_port
+from tests.support.server import ServerProcess, free_port
+
+from .conftest import CLIENT_DIR
 
 
 def run(

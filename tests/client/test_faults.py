@@ -16,7 +16,8 @@ import pytest
 import torch
 from ec_cache._tensors import build_header, tensor_memoryview
 
-from .conftest import ServerProcess
+from tests.support.server import ServerProcess, free_port
+
 from .fakeserver import FakeServer, Reply, Request, entry_reply, json_reply
 
 Factory = Callable[..., Any]
@@ -161,7 +162,6 @@ def test_silently_dropped_keepalive_connection_is_retried(
 
 
 def test_connection_refused_is_connect_error(client_factory: Factory) -> None:
-    from .conftest import free_port
 
     c = client_factory(
         f"http://127.0.0.1:{free_port()}",

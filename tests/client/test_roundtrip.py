@@ -13,7 +13,7 @@ import pytest
 import torch
 from ec_cache._tensors import DTYPES
 
-from .conftest import ServerProcess
+from tests.support.server import ServerProcess
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct@a1b2"
 
@@ -210,7 +210,7 @@ def test_token_is_sent_as_bearer(
     make_server: Callable[..., ServerProcess], client_factory: Factory
 ) -> None:
     secret = "s3cr3t-token-0123456789"
-    srv = make_server(EC_AUTH_TOKENS=f"ci:admin:{secret}", EC_ANONYMOUS="none")
+    srv = make_server(auth_tokens=f"ci:admin:{secret}", anonymous="none")
     anon = client_factory(srv.url, model="m", dtype="float32", retries=1)
     with pytest.raises(ec_cache.ServerError) as info:
         anon.put("h", torch.ones(2))

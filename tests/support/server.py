@@ -41,11 +41,14 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> ServerProcess:
+    def start(self, timeout: float = 30.0, *, wait: bool = True) -> ServerProcess:
+        """Start the process and, unless ``wait`` is false, wait for ``/healthz``."""
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "app"], env=self.env, stdout=log, stderr=log
             )
+        if not wait:
+            return self
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
