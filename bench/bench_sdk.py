@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "client"))
+sys.path.insert(0, str(ROOT))  # run as a script: tests.support is found from the root
 
 import ec_cache  # noqa: E402
 import httpx  # noqa: E402
@@ -58,18 +58,14 @@ import urllib3  # noqa: E402
 from ec_cache._crc import crc32c  # noqa: E402
 from ec_cache._tensors import build_header, tensor_memoryview  # noqa: E402
 
+from tests.support.server import ServerProcess, free_port  # noqa: E402
+
 MODEL = "bench/llava"
 DTYPE = "bfloat16"
 SIZES = {  # name -> shape (bf16)
     "4.7MB": (576, 4096),
     "16MiB": (2048, 4096),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:
@@ -137,23 +133,6 @@ http {{
     return proc, port
 
 
-def start_server(work: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    env = dict(
-        os.environ,
-        EC_HOST="127.0.0.1",
-        EC_PORT=str(port),
-        EC_DATA_DIR=str(work / "ec-data"),
-        EC_DISK_MAX_BYTES="4GiB",
-        EC_LOG_LEVEL="warning",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL
-    )
-    wait_http(f"http://127.0.0.1:{port}/healthz")
-    return proc, port
-
-
 def timed(fn: Callable[[], object], n: int) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
@@ -176,12 +155,14 @@ def main() -> None:
     }
     work = Path(tempfile.mkdtemp(prefix="ec-bench-"))
     procs: list[subprocess.Popen[bytes]] = []
+    servers: list[ServerProcess] = []
     try:
         ngx, ngx_port = start_nginx(work, bodies)
         procs.append(ngx)
-        srv, srv_port = start_server(work)
-        procs.append(srv)
-        ngx_url, srv_url = f"http://127.0.0.1:{ngx_port}", f"http://127.0.0.1:{srv_port}"
+        server = ServerProcess(work / "ec-data", work / "ec.log", disk_max_bytes="4GiB")
+        servers.append(server.start())
+        srv_port = server.port
+        ngx_url, srv_url = f"http://127.0.0.1:{ngx_port}", server.url
 
         client = ec_cache.Client(srv_url, model=MODEL, dtype=DTYPE)
         client_ngx = ec_cache.Client(ngx_url, model=MODEL, dtype=DTYPE)
@@ -295,12 +276,14 @@ def main() -> None:
                 indent=1,
             )
         )
-        print(f"\nraw results: {out.relative_to(ROOT)}")
+        print(f"\nraw results: {out}")
         client.close()
         client_ngx.close()
         loop.run_until_complete(aclient.aclose())
         loop.close()
     finally:
+        for server in servers:
+            server.stop()
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
