@@ -375,7 +375,8 @@ def check_no_alias(
     backend = run.backend
     dev = backend.device
     bad: list[str] = []
-    before = client.pool.stats()
+    pool = getattr(client, "pool", None)  # the staging pool, where the client exposes it
+    before = pool.stats() if pool is not None else None
     for name, keys in entries.keys.items():
         shape = entries.shapes[name]
         # On the CPU a result goes straight into a fresh tensor; a non-contiguous out=
@@ -401,14 +402,17 @@ def check_no_alias(
         for key, t, s in zip(keys, held, snapshots, strict=True):
             if t is None or not (same_bits(t, s) and same_bits(t, entries.refs[key])):
                 bad.append(f"async {key}")
-    after = client.pool.stats()
-    staged = (after["allocated"] + after["reused"]) - (before["allocated"] + before["reused"])
+    staged: int | None = None
+    if pool is not None and before is not None:
+        after = pool.stats()
+        staged = after["allocated"] + after["reused"] - before["allocated"] - before["reused"]
     run.check(
         f"results survive the next {ALIAS_GETS} GETs unchanged (never alias pooled buffers)",
-        not bad and staged > 0,
-        f"{len(entries.keys)} sizes, sync and async 8 at a time; {staged} staged GETs"
+        not bad and staged != 0,
+        f"{len(entries.keys)} sizes, sync and async 8 at a time; "
+        + (f"{staged} staged GETs" if staged is not None else "staging pool not exposed")
         + (f"; changed: {bad}" if bad else "")
-        + ("" if staged else "; the staging pool was never used"),
+        + ("; the staging pool was never used" if staged == 0 else ""),
     )
 
 
@@ -421,12 +425,14 @@ def check_streams(
 ) -> None:
     backend = run.backend
     if not backend.cuda:
-        run.check("safe on the caller's current stream", None, "no CUDA")
+        run.check("safe on the caller's current stream (no extra synchronisation)", None, "no CUDA")
+        run.check("Client.get_many(device=) safe on the caller's current stream", None, "no CUDA")
         run.check('device="cuda" lands on the current device', None, "no CUDA")
         return
     dev = backend.device
     side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
     bad: list[str] = []
+    bad_many: list[str] = []
     for name, keys in entries.keys.items():
         key, ref = keys[0], entries.refs[keys[0]]
         out = torch.zeros_like(ref)
@@ -434,7 +440,7 @@ def check_streams(
         # Keep the default stream busy for about a second, longer than the GETs below
         # take: a copy wrongly queued there would land after the comparisons (queued on
         # the side stream) have run.
-        torch.cuda._sleep(BUSY_CYCLES)
+        torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(side):
             fresh = client.get(key, device=dev)
             into = client.get(key, out=out)
@@ -447,12 +453,27 @@ def check_streams(
             for k, t in zip(keys, many, strict=True):
                 if t is None or not same_bits(t, entries.refs[k]):
                     bad.append(f"async {k}")
-    backend.sync()
+        backend.sync()
+        torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side):
+            # get_many runs its GETs on worker threads, whose current stream is not
+            # the caller's: the copies must still be ordered before the caller's work.
+            pooled = client.get_many(keys, device=dev)
+            for k, t in zip(keys, pooled, strict=True):
+                if t is None or not same_bits(t, entries.refs[k]):
+                    bad_many.append(k)
+        backend.sync()
     run.check(
         "safe on the caller's current stream (no extra synchronisation)",
         not bad,
-        "GETs and comparisons on a side stream while the default stream is busy"
-        + (f"; wrong: {bad}" if bad else ""),
+        "get, get(out=), AsyncClient.get_many and comparisons on a side stream while the "
+        "default stream is busy" + (f"; wrong: {bad}" if bad else ""),
+    )
+    run.check(
+        "Client.get_many(device=) safe on the caller's current stream",
+        not bad_many,
+        "same, through the blocking client's worker threads"
+        + (f"; wrong before a synchronize: {bad_many}" if bad_many else ""),
     )
     index = torch.cuda.device_count() - 1
     key = next(iter(entries.keys.values()))[0]

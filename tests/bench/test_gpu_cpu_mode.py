@@ -67,7 +67,7 @@ def test_cpu_mode_measures_every_get_method(cpu_run: tuple[Path, str]) -> None:
 
 def test_cpu_mode_checks_pass_where_they_apply(cpu_run: tuple[Path, str]) -> None:
     checks = {c["name"]: c for c in json.loads((cpu_run[0] / "gpu.json").read_text())["checks"]}
-    assert len(checks) == 4
+    assert len(checks) == 5
     applied = [c for c in checks.values() if c["pass"] is not None]
     assert len(applied) == 2 and all(c["pass"] is True for c in applied), applied
     names = " ".join(checks)
