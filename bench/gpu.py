@@ -293,7 +293,7 @@ def get_section(
                 fn()
         order = list(methods)
         for r in range(p.rounds):
-            if run.left() < 0:
+            if r and run.left() < 0:  # at least one round, whatever the budget
                 section["truncated"] = f"time budget: {r} of {p.rounds} rounds"
                 break
             shift = r % len(order)
