@@ -110,7 +110,7 @@ class Params:
             save_shape=QUICK_SAVE_SHAPE if quick else SAVE_SHAPE,
             rounds=2 if quick else 5,
             requests=2 if quick else 8,
-            matmul_n=8192 if cuda else 128,
+            matmul_n=8192 if cuda else 256,
             compute_s=(0.3 if quick else 1.0) if not cuda else (0.5 if quick else 2.0),
             save_every_s=0.02,
         )
@@ -514,13 +514,21 @@ class Compute:
         self.c = torch.empty_like(self.a)
         self.n = n
 
-    def loop(self, iters: int, hook: Callable[[int], None] | None = None) -> float:
+    def loop(
+        self, iters: int, hook: Callable[[int], None] | None = None, max_s: float = math.inf
+    ) -> tuple[float, int]:
+        """Run ``iters`` products (fewer once ``max_s`` seconds have passed); returns
+        the seconds and the products done."""
         backend = self.backend
         pending: deque[Any] = deque()
         backend.sync()
         t0 = time.perf_counter()
+        done = 0
         for i in range(iters):
+            if time.perf_counter() - t0 > max_s:
+                break
             torch.matmul(self.a, self.a, out=self.c)
+            done += 1
             if hook is not None:
                 hook(i)
             if backend.cuda and i % 4 == 3:
@@ -530,12 +538,12 @@ class Compute:
                 if len(pending) > 2:
                     pending.popleft().synchronize()
         backend.sync()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, done
 
     def calibrate(self, seconds: float) -> tuple[int, float]:
         self.loop(8)
         probe = 40 if self.backend.cuda else 20
-        per = min(self.loop(probe) / probe for _ in range(2))
+        per = min(self.loop(probe)[0] / probe for _ in range(2))
         return max(8, int(seconds / per)), per
 
 
@@ -591,7 +599,14 @@ def save_section(run: Run, url: str) -> None:
         "probe_tflops": flops / per / 1e12,
     }
     print(f"  matmul {p.matmul_n}: {per * 1000:.2f} ms/product, {iters} per loop", flush=True)
+    # Rates (products per second), so that a loop cut at max_s still counts.
+    cap = 4 * p.compute_s
     alone: list[float] = []
+
+    def timed(hook: Callable[[int], None] | None = None) -> tuple[float, float]:
+        seconds, done = compute.loop(iters, hook, cap)
+        return seconds, done / seconds
+
     client = ec_cache.Client(url, model=MODEL, dtype=DTYPE)
     shim = vllm_shim.install()
     from ec_cache.vllm import ECCacheConnector  # after the shim: vLLM may be absent
@@ -603,7 +618,7 @@ def save_section(run: Run, url: str) -> None:
             if run.left() < 0:
                 section["truncated"] = "time budget"
                 break
-            alone.append(compute.loop(iters))  # interleaved: alone before each variant
+            alone.append(timed()[1])  # interleaved: alone before each variant
             row: dict[str, Any] = {"label": SAVE_VARIANTS[variant]}
             if variant.startswith("put_thread"):
                 side = (
@@ -616,7 +631,7 @@ def save_section(run: Run, url: str) -> None:
                 while saver.done == 0 and not saver.errors and run.left() > -30:
                     time.sleep(0.001)  # the first PUT in flight: connections are warm
                 start_done = saver.done
-                seconds = compute.loop(iters)
+                seconds, rate = timed()
                 saves = saver.done - start_done
                 saver.stop.set()
                 saver.thread.join(60)
@@ -645,20 +660,20 @@ def save_section(run: Run, url: str) -> None:
                 hook(0)  # the first save (side stream, uploader threads) before timing
                 conn.flush(60)
                 before = conn.counters().get("save_created", 0)
-                seconds = compute.loop(iters, hook)
+                seconds, rate = timed(hook)
                 saves = int(conn.counters().get("save_created", 0) - before)
                 row["save_every_products"] = every
                 row["flushed"] = conn.flush(60)
                 row["counters"] = {k: v for k, v in conn.counters().items() if k.startswith("save")}
                 conn.shutdown()
-            row.update(seconds=seconds, saves_during=saves)
+            row.update(seconds=seconds, products_per_s=rate, saves_during=saves)
             row["save_mb_per_s_during"] = saves * nbytes / seconds / 1e6
             section["variants"][variant] = row
-        alone.append(compute.loop(iters))  # and once after the last
-        section["alone_seconds"] = alone
+        alone.append(timed()[1])  # and once after the last
+        section["alone_products_per_s"] = alone
         base = statistics.median(alone) if alone else float("nan")
         for row in section["variants"].values():
-            row["speed_vs_alone"] = base / row["seconds"]
+            row["speed_vs_alone"] = row["products_per_s"] / base
             print(
                 f"  {row['label']}: {row['speed_vs_alone']:.3f}x alone, "
                 f"{row['saves_during']} saves ({row['save_mb_per_s_during']:.0f} MB/s)",
@@ -744,14 +759,16 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"{mm['iters']} products of {mm['n']}x{mm['n']} {mm['dtype']} per loop "
             f"({mm['probe_ms_per_product']:.2f} ms each, {mm['probe_tflops']:.0f} TFLOP/s); "
-            f"alone: {', '.join(f'{s:.3f}' for s in save['alone_seconds'])} s; {save['vllm']}.",
+            f"alone: {', '.join(f'{r:.0f}' for r in save['alone_products_per_s'])} products/s; "
+            f"{save['vllm']}.",
             "",
-            "| saves by | loop s | speed vs alone | saves during | save MB/s |",
+            "| saves by | products/s | speed vs alone | saves during | save MB/s |",
             "|---|---|---|---|---|",
         ]
         for row in save["variants"].values():
             lines.append(
-                f"| {row['label']} | {row['seconds']:.3f} | {row.get('speed_vs_alone', 0):.3f}x "
+                f"| {row['label']} | {row['products_per_s']:.0f} | "
+                f"{row.get('speed_vs_alone', 0):.3f}x "
                 f"| {row['saves_during']} | {row['save_mb_per_s_during']:.0f} |"
             )
         lines.append("")

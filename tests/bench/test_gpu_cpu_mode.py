@@ -80,9 +80,9 @@ def test_cpu_mode_runs_the_save_paths(cpu_run: tuple[Path, str]) -> None:
     save = json.loads((cpu_run[0] / "gpu.json").read_text())["save"]
     assert save["vllm"] in ("bench/vllm_shim.py stand-ins", "vLLM")
     assert set(save["variants"]) == VARIANTS
-    assert len(save["alone_seconds"]) == len(VARIANTS) + 1
+    assert len(save["alone_products_per_s"]) == len(VARIANTS) + 1
     for name, row in save["variants"].items():
-        assert _positive(row["seconds"]) and _positive(row["speed_vs_alone"]), name
+        assert _positive(row["products_per_s"]) and _positive(row["speed_vs_alone"]), name
     for name in ("put_thread", "put_thread_side_stream"):
         row = save["variants"][name]
         assert row["errors"] == [] and row["saves_total"] >= 1, row
