@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
 TORCH  := torch==2.13.0
 
-.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests bench bench-quick clean
+.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests bench bench-quick bench-gpu bench-gpu-cpu gpu-wheels clean
 
 $(VENV)/.server: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,22 @@ bench: system-deps $(VENV)/.test
 
 bench-quick: system-deps $(VENV)/.test
 	$(PY) -m bench --quick
+
+## bench-gpu: the SDK's GPU path (bench/gpu.py) on a CUDA machine, with that machine's
+## python3 (no .venv: see bench/README.md, "GPU path"); results in $(GPU_OUT)
+GPU_PYTHON ?= $(PYTHON)
+GPU_OUT    ?= bench/results/gpu
+bench-gpu:
+	PYTHONPATH=$(CURDIR):$(CURDIR)/client$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	  $(GPU_PYTHON) -m bench.gpu --out $(GPU_OUT)
+
+## bench-gpu-cpu: the same script's CPU mode (its logic; what tests/bench checks)
+bench-gpu-cpu: $(VENV)/.test
+	$(PY) -m bench.gpu --cpu --quick --out bench/results/gpu-cpu
+
+## gpu-wheels: .whl/, the server's wheels for the GPU machine (bench/gpu_wheels.sh)
+gpu-wheels: $(VENV)/.server
+	PYTHON=$(PY) bash bench/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache .mypy_cache .ruff_cache
