@@ -51,19 +51,22 @@ async def entry_key(model: str, dtype: str, hash: str) -> EntryKey:
 
 
 class Require:
-    """Dependency: the request's bearer token (or anonymous access) has ``scope``."""
+    """Dependency: the request's bearer token (or anonymous access) has ``scope`` and,
+    on routes with a ``{model}`` in the path, may touch that model (see ``app.auth``)."""
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
 
     async def __call__(self, request: Request) -> Principal:
         authenticator: Authenticator = request.app.state.authenticator
-        return authenticator.authorize(request.headers.get("authorization"), self.scope)
+        return authenticator.authorize(
+            request.headers.get("authorization"), self.scope, request.path_params.get("model")
+        )
 
 
 async def metrics_access(request: Request) -> None:
     if not request.app.state.settings.metrics_public:
-        await Require(Scope.READ)(request)
+        (await Require(Scope.READ)(request)).check_unrestricted("/metrics")
 
 
 async def _with_idle_timeout(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
@@ -257,6 +260,7 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/stats", dependencies=[CanRead], summary="Summary for operators")
-async def stats(store: StoreDep) -> dict[str, Any]:
+@router.get("/stats", summary="Summary for operators")
+async def stats(store: StoreDep, principal: Annotated[Principal, CanRead]) -> dict[str, Any]:
+    principal.check_unrestricted("/stats")
     return store.stats()
