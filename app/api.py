@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
 import anyio
@@ -21,6 +22,7 @@ from app.errors import (
     ClientGone,
     InvalidKey,
     InvalidRequest,
+    NotFound,
     SlowClient,
 )
 from app.keys import EntryKey, validate_dtype, validate_hash, validate_model
@@ -120,6 +122,16 @@ def _parse_crc(value: str | None) -> int | None:
         ) from None
 
 
+@contextlib.contextmanager
+def _cache_status(request: Request) -> Iterator[None]:
+    """Record a miss for the access log (``cache=``) when the lookup raises NotFound."""
+    try:
+        yield
+    except NotFound:
+        request.state.cache = "miss"
+        raise
+
+
 @router.get(
     ENTRY_PATH,
     dependencies=[CanRead],
@@ -130,10 +142,13 @@ def _parse_crc(value: str | None) -> int | None:
 )
 async def get_entry(
     key: KeyDep,
+    request: Request,
     store: StoreDep,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    body = await store.get(key)
+    with _cache_status(request):
+        body = await store.get(key)
+    request.state.cache = body.info.tier
     if if_none_match is not None and body.info.etag in if_none_match:
         await body.aclose()
         return Response(status_code=304, headers={"ETag": body.info.etag})
@@ -149,8 +164,11 @@ async def get_entry(
     response_class=Response,
     responses={404: {}, 503: {}},
 )
-async def head_entry(key: KeyDep, store: StoreDep) -> Response:
-    return EntryResponse(await store.head(key))
+async def head_entry(key: KeyDep, request: Request, store: StoreDep) -> Response:
+    with _cache_status(request):
+        info = await store.head(key)
+    request.state.cache = info.tier
+    return EntryResponse(info)
 
 
 @router.put(

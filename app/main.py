@@ -108,7 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or Settings()
     authenticator = _authenticator(settings)
-    metrics = Metrics()
+    metrics = Metrics(settings.metrics_namespaces)
     disk = DiskTier(settings.data_dir, settings.disk_max_bytes)
     metrics.watch_disk(disk.stats)
     store = Store(settings, disk, metrics, _s3_tier(settings, disk, metrics))

@@ -35,11 +35,34 @@ _LATENCY_BUCKETS = (
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
-class Metrics:
-    """The server's metrics; tiers report through the objects defined here."""
+#: The label values of the namespaces beyond ``EC_METRICS_NAMESPACES``.
+OTHER_NAMESPACE = "_other"
 
-    def __init__(self) -> None:
+
+class Metrics:
+    """The server's metrics; tiers report through the objects defined here.
+
+    ``namespaces`` > 0 (``EC_METRICS_NAMESPACES``) also counts lookups per namespace
+    (model, dtype), for the first ``namespaces`` namespaces seen; the rest are counted
+    under ``_other``, so the number of series stays bounded whatever clients send.
+    """
+
+    def __init__(self, namespaces: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.max_namespaces = namespaces
+        self._namespaces: set[tuple[str, str]] = set()
+        self.namespace_lookups = (
+            Counter(
+                "ec_namespace_lookups",
+                "Entry reads (GET and HEAD) per namespace (model, dtype) by the tier that "
+                "answered or miss; only with EC_METRICS_NAMESPACES > 0, namespaces beyond "
+                "it counted as _other.",
+                ["model", "dtype", "result"],
+                registry=self.registry,
+            )
+            if namespaces > 0
+            else None
+        )
         self.requests = Counter(
             "ec_http_requests",
             "HTTP requests answered, by route, method and status.",
@@ -75,6 +98,19 @@ class Metrics:
             ["code"],
             registry=self.registry,
         )
+
+    def lookup(self, model: str, dtype: str, result: str) -> None:
+        """Count one entry read answered by ``result`` (``disk``, ``s3`` or ``miss``)."""
+        self.lookups.labels(result).inc()
+        if self.namespace_lookups is None:
+            return
+        namespace = (model, dtype)
+        if namespace not in self._namespaces:
+            if len(self._namespaces) >= self.max_namespaces:
+                namespace = (OTHER_NAMESPACE, OTHER_NAMESPACE)
+            else:
+                self._namespaces.add(namespace)
+        self.namespace_lookups.labels(*namespace, result).inc()
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self.registry.register(_DiskCollector(stats))

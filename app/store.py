@@ -98,9 +98,9 @@ class Store:
             # that just committed is seen on disk, one in flight is joined.
             body = await self._get_from_s3(self.s3, key)
         if body is None:
-            self.metrics.lookups.labels("miss").inc()
+            self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key}")
-        self.metrics.lookups.labels(body.info.tier).inc()
+        self.metrics.lookup(key.model, key.dtype, body.info.tier)
         return body
 
     async def _get_from_s3(self, s3: S3Tier, key: EntryKey) -> EntryBody | None:
@@ -125,9 +125,9 @@ class Store:
         if info is None and self.s3 is not None:
             info = await self.s3.head(key)  # object metadata: never the body
         if info is None:
-            self.metrics.lookups.labels("miss").inc()
+            self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key}")
-        self.metrics.lookups.labels(info.tier).inc()
+        self.metrics.lookup(key.model, key.dtype, info.tier)
         return info
 
     async def exists(self, key: EntryKey) -> bool:
