@@ -143,6 +143,8 @@ def route_label(method: str, path: str) -> str:
         return "exists" if method == "POST" and path.endswith("/_exists") else "entry"
     if path in ("/healthz", "/readyz", "/metrics", "/stats", "/docs", "/openapi.json"):
         return path[1:]
+    if path == "/namespaces" or path.startswith("/namespaces/"):
+        return "namespaces"
     return "other"
 
 
