@@ -75,6 +75,19 @@ ROUTES: dict[str, tuple[str, Call]] = {
             headers=_h(t),
         ),
     ),
+    "entries": (
+        "read",
+        lambda u, m, t: httpx.get(
+            f"{u}/namespaces/entries", params={"model": m, "dtype": "uint8"}, headers=_h(t)
+        ),
+    ),
+    # int8: a namespace no other route uses, so a purge never races them
+    "purge": (
+        "admin",
+        lambda u, m, t: httpx.post(
+            f"{u}/namespaces/purge", json={"model": m, "dtype": "int8"}, headers=_h(t)
+        ),
+    ),
 }
 
 
@@ -92,7 +105,7 @@ def test_route_scope_namespace(tenants: ServerProcess, route: str, who: str, mod
     scope, call = ROUTES[route]
     response = call(tenants.url, model, TOKEN[who])
     if scope in SCOPES[who] and who in MODELS[model]:
-        assert response.status_code in (200, 201, 204, 404), response.text
+        assert response.status_code in (200, 201, 202, 204, 404), response.text
     else:
         assert response.status_code == 403, response.text
         if route != "HEAD":
@@ -157,3 +170,32 @@ def test_bad_scope_items_name_the_entry_not_the_secret(bad: str) -> None:
     with pytest.raises(ValueError, match=r"entry 1 \(t\)") as info:
         parse_tokens(f"t:read,{bad}:secret-secret-secret", "EC_AUTH_TOKENS")
     assert "secret-secret-secret" not in str(info.value)
+
+
+def test_listings_show_only_the_tokens_namespaces(tenants: ServerProcess) -> None:
+    for model in ("Qwen/list-a", "llava-hf/list-b"):
+        data = body((8,), "U8", 1, seed=9)
+        response = httpx.put(f"{tenants.url}/ec/{model}/uint8/l", content=data, headers=_h(OPS))
+        assert response.status_code == 201
+    for who, visible in [("qwen-writer", "Qwen/list-a"), ("llava", "llava-hf/list-b")]:
+        listing = httpx.get(tenants.url + "/namespaces", headers=_h(TOKEN[who])).json()
+        models = {n["model"] for n in listing["namespaces"]}
+        other = ({"Qwen/list-a", "llava-hf/list-b"} - {visible}).pop()
+        assert visible in models
+        assert other not in models
+        assert "unattributed" not in listing  # server-wide figures: unrestricted tokens only
+    everything = httpx.get(tenants.url + "/namespaces", headers=_h(OPS)).json()
+    assert {"Qwen/list-a", "llava-hf/list-b"} <= {n["model"] for n in everything["namespaces"]}
+    assert "unattributed" in everything
+    purge = httpx.post(
+        tenants.url + "/namespaces/purge",
+        json={"model": "Qwen/list-a", "dtype": "int16"},
+        headers=_h(QWEN_ADMIN),
+    )
+    assert purge.status_code in (200, 202)
+    llava_view = httpx.get(tenants.url + "/namespaces/purges", headers=_h(LLAVA_READ)).json()
+    assert all(
+        job["model"].startswith(("llava-hf/", "liuhaotian/")) for job in llava_view["purges"]
+    )
+    ops_view = httpx.get(tenants.url + "/namespaces/purges", headers=_h(OPS)).json()
+    assert "Qwen/list-a" in {job["model"] for job in ops_view["purges"]}
