@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -99,6 +105,28 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.ready = Gauge(
+            "ec_ready",
+            "1 when the last readiness check (/readyz) passed, else 0.",
+            registry=self.registry,
+        )
+        self.readiness_changes = Counter(
+            "ec_readiness_changes",
+            "Times the readiness check result changed (ready <-> not ready).",
+            registry=self.registry,
+        )
+        self._last_ready: bool | None = None
+
+    def readiness(self, ready: bool) -> None:
+        """Record one readiness check's result."""
+        self.ready.set(1 if ready else 0)
+        if self._last_ready is not None and ready != self._last_ready:
+            self.readiness_changes.inc()
+        self._last_ready = ready
+
+    def watch_s3(self, up: Callable[[], bool]) -> None:
+        self.registry.register(_S3UpCollector(up))
+
     def lookup(self, model: str, dtype: str, result: str) -> None:
         """Count one entry read answered by ``result`` (``disk``, ``s3`` or ``miss``)."""
         self.lookups.labels(result).inc()
@@ -114,6 +142,19 @@ class Metrics:
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self.registry.register(_DiskCollector(stats))
+
+
+class _S3UpCollector(Collector):
+    def __init__(self, up: Callable[[], bool]) -> None:
+        self._up = up
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "ec_s3_up",
+            "1 while S3 is reachable: the last readiness check of S3 passed and no "
+            "unavailable error is cooling down; else 0.",
+            value=1 if self._up() else 0,
+        )
 
 
 class _DiskCollector(Collector):

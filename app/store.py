@@ -67,6 +67,12 @@ class Store:
                 registry=metrics.registry,
             )
         self.purges = Purges(settings.data_dir, disk, s3, self.uploads)
+        if s3 is not None:
+            metrics.watch_s3(
+                lambda: (
+                    s3.objects.available and (s3.readiness_state is None or s3.readiness_state.ok)
+                )
+            )
 
     async def start(self) -> None:
         # Running purges guard their namespaces before any request is answered.
@@ -325,6 +331,7 @@ class Store:
         checks = {"disk": await anyio.to_thread.run_sync(_check_writable, self.disk)}
         if self.s3 is not None:
             checks["s3"] = await self.s3.readiness()
+        self.metrics.readiness(all(result == "ok" for result in checks.values()))
         return checks
 
 

@@ -95,3 +95,20 @@ def test_namespace_metrics_are_opt_in_and_bounded(tmp_path: Path) -> None:
         ("tenant0", "uint8", "miss"): 1,
         ("_other", "_other", "miss"): 4,
     }
+
+
+def test_readiness_gauge_and_changes() -> None:
+    from app.metrics import Metrics
+
+    metrics = Metrics()
+    for ready in (True, True, False, True):
+        metrics.readiness(ready)
+    value = metrics.registry.get_sample_value
+    assert value("ec_ready") == 1
+    assert value("ec_readiness_changes_total") == 2
+
+
+def test_readyz_sets_ec_ready(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "d", tmp_path / "log") as srv:
+        assert httpx.get(srv.url + "/readyz").status_code == 200
+        assert "\nec_ready 1.0\n" in httpx.get(srv.url + "/metrics").text
