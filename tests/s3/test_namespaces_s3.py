@@ -12,7 +12,7 @@ import httpx
 
 from app.namespaces import purge_id
 from tests.s3.conftest import ServerFactory
-from tests.s3.harness import S3Endpoint
+from tests.s3.harness import CountingProxy, S3Endpoint
 from tests.support.entries import body, crc_hex
 from tests.support.server import ServerProcess
 
@@ -156,3 +156,40 @@ def test_purge_killed_midway_finishes_after_restart(
     job = _wait_done(srv, "old")
     assert job["state"] == "done"
     assert s3_endpoint.list_keys(f"{s3_prefix}/old/") == []
+
+
+def test_purge_drops_pending_write_back_uploads_and_waits_out_an_outage(
+    make_server: ServerFactory,
+    counting_proxy: CountingProxy,
+    s3_endpoint: S3Endpoint,
+    s3_prefix: str,
+) -> None:
+    srv = make_server("a", endpoint_url=counting_proxy.url, write_mode="write-back")
+    counting_proxy.down = True  # uploads cannot leave: they wait in the journal
+    data = body((3, 4), "F16", 2, seed=3)
+    response = httpx.put(f"{srv.url}/ec/wb/float16/pending", content=data)
+    assert response.status_code == 201, response.text
+    assert httpx.get(srv.url + "/stats").json()["upload_queue"]["entries"] == 1
+    assert httpx.post(srv.url + "/namespaces/purge", json={"model": "wb"}).status_code == 202
+
+    def running() -> dict[str, object]:
+        (job,) = httpx.get(srv.url + "/namespaces/purges").json()["purges"]
+        return dict(job)
+
+    deadline = time.monotonic() + 30
+    while running()["last_error"] is None:  # S3 down: the purge retries, says why
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert running()["state"] == "running"
+    blocked = httpx.put(f"{srv.url}/ec/wb/float16/new", content=data)
+    assert blocked.status_code == 503
+    assert blocked.headers["retry-after"] == "5"
+    assert httpx.get(f"{srv.url}/ec/wb/float16/pending").status_code == 404
+    assert httpx.get(srv.url + "/stats").json()["upload_queue"]["entries"] == 0
+
+    counting_proxy.down = False
+    job = _wait_done(srv, "wb")
+    assert job["disk_entries"] == 1
+    assert job["last_error"] is None
+    assert s3_endpoint.list_keys(f"{s3_prefix}/wb/") == []
+    assert httpx.put(f"{srv.url}/ec/wb/float16/new", content=data).status_code == 201
