@@ -249,9 +249,9 @@ class Purges:
                 return
 
     async def _settle_fills(self, s3: S3Tier, job: PurgeJob) -> None:
-        for fill in list(s3._fills.values()):
-            if job.covers(fill.key.model, fill.key.dtype):
-                await s3.settle(fill.key)
+        for key in s3.filling():
+            if job.covers(key.model, key.dtype):
+                await s3.settle(key)
 
     # -- journal ---------------------------------------------------------------------
 
