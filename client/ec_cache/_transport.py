@@ -2,7 +2,7 @@
 straight into caller memory.
 
 httpx's own transport reads 64 KiB at a time and copies each piece several times on
-its way to ``Response.content`` (PERF-NOTES: ~3x slower than the wire). This one keeps
+its way to ``Response.content`` (measured: ~3x slower than the wire). This one keeps
 httpx's API (requests, headers, timeouts, event hooks) but does the socket work itself:
 
 * request bodies are sent from the caller's buffers (``memoryview`` s of tensor memory),
