@@ -1,0 +1,44 @@
+"""Hostile inputs found by the outside attack of issue #12, against a real server process."""
+
+from __future__ import annotations
+
+import struct
+
+import httpx
+import pytest
+
+from tests.e2e import rawhttp
+from tests.support.server import ServerProcess
+
+
+def _body(header: str, data: bytes = b"") -> bytes:
+    raw = header.encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+HOSTILE_HEADERS = {
+    "deep nesting": "[" * 60_000 + "]" * 60_000,
+    "deep objects": '{"t":' * 20_000 + "1" + "}" * 20_000,
+    "int past int() limit": '{"t":{"dtype":"U8","shape":['
+    + "9" * 5000
+    + '],"data_offsets":[0,1]}}',
+    "float overflow": '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1e999999]}}',
+    "NaN": '{"t":{"dtype":"U8","shape":[NaN],"data_offsets":[0,1]}}',
+    "duplicate field": '{"t":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    "float offsets": '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1.0]}}',
+    "boolean offsets": '{"t":{"dtype":"U8","shape":[1],"data_offsets":[false,true]}}',
+    "2**63 dimension": '{"t":{"dtype":"U8","shape":[0,9223372036854775808],"data_offsets":[0,0]}}',
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_HEADERS))
+def test_hostile_headers_answer_a_json_400(server: ServerProcess, name: str) -> None:
+    header = HOSTILE_HEADERS[name]
+    data = _body(header, b"" if "[0,0]" in header else b"\0")
+    key = f"/ec/m/uint8/hostile-{abs(hash(name))}"
+    response = rawhttp.request(server.port, "PUT", key, body=data)
+    assert response.status == 400, response.body[:300]
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"] == "invalid_body"
+    assert httpx.get(server.url + key).status_code == 404
+    assert "Traceback" not in server.log_path.read_text()
