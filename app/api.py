@@ -94,7 +94,7 @@ KeyDep = Annotated[EntryKey, Depends(entry_key)]
 # Dependencies are coroutines on purpose: FastAPI runs plain ``def`` ones in a thread
 # pool, one thread hop each per request.
 
-router = APIRouter()
+router = APIRouter(redirect_slashes=False)
 
 
 class ExistsRequest(BaseModel):

@@ -127,6 +127,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         summary="Shared cache for multimodal encoder outputs",
         lifespan=lifespan,
+        # Never 307 to the same path with(out) a trailing slash: the Location would be
+        # built from the client's Host header. Such paths are 404s like any other.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.metrics = metrics

@@ -21,7 +21,7 @@ from app.namespaces import disk_page, s3_page
 
 MAX_PAGE = 1000
 
-router = APIRouter(prefix="/namespaces", tags=["namespaces"])
+router = APIRouter(prefix="/namespaces", tags=["namespaces"], redirect_slashes=False)
 
 Reader = Annotated[Principal, Depends(Require(Scope.READ))]
 Admin = Annotated[Principal, Depends(Require(Scope.ADMIN))]

@@ -42,3 +42,32 @@ def test_hostile_headers_answer_a_json_400(server: ServerProcess, name: str) -> 
     assert response.json()["error"] == "invalid_body"
     assert httpx.get(server.url + key).status_code == 404
     assert "Traceback" not in server.log_path.read_text()
+
+
+def _concrete(path: str) -> str:
+    return (
+        path.replace("{model}", "m")
+        .replace("{dtype}", "uint8")
+        .replace("{hash}", "h")
+        .replace("{model:path}", "m")
+    )
+
+
+def test_no_path_answers_a_redirect(server: ServerProcess) -> None:
+    spec = httpx.get(server.url + "/openapi.json").json()
+    targets = {_concrete(path) for path in spec["paths"]} | {"/docs", "/redoc", "/openapi.json"}
+    assert len(targets) >= 10
+    tried = 0
+    for target in sorted(targets):
+        for variant in (target + "/", target + "//", target.rstrip("/") + "/./", "/" + target):
+            for method in ("GET", "HEAD", "PUT", "POST", "DELETE"):
+                response = rawhttp.request(
+                    server.port, method, variant, {"Host": "evil.example"}, body=b"{}"
+                )
+                tried += 1
+                assert not 300 <= response.status < 400, (method, variant, response.headers)
+                assert "location" not in response.headers
+                assert response.status >= 400, (method, variant, response.status)
+                if method != "HEAD":
+                    assert "error" in response.json(), (method, variant, response.body[:200])
+    assert tried >= 200
