@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.e2e import rawhttp
+from tests.support.entries import body, crc_hex
 from tests.support.server import ServerProcess
 
 
@@ -71,3 +72,19 @@ def test_no_path_answers_a_redirect(server: ServerProcess) -> None:
                 if method != "HEAD":
                     assert "error" in response.json(), (method, variant, response.body[:200])
     assert tried >= 200
+
+
+def test_losing_put_answers_with_the_stored_entry(fresh_server: ServerProcess) -> None:
+    fresh_server.start()
+    url = fresh_server.url + "/ec/m/uint8/first-writer"
+    first, second = body((1000,), "U8", 1, seed=1), body((2000,), "U8", 1, seed=2)
+    assert httpx.put(url, content=first).status_code == 201
+    for restarted in (False, True):  # after a restart the disk tier re-reads the entry
+        lost = httpx.put(url, content=second, headers={"X-EC-CRC32C": crc_hex(second)})
+        assert lost.status_code == 200, (restarted, lost.text)
+        assert lost.json() == {"created": False, "size": len(first), "crc32c": crc_hex(first)}
+        assert lost.headers["etag"] == f'"{crc_hex(first)}"'
+        assert lost.headers["x-ec-crc32c"] == crc_hex(first)
+        assert httpx.get(url).content == first
+        fresh_server.stop()
+        fresh_server.start()
