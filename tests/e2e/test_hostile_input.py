@@ -88,3 +88,33 @@ def test_losing_put_answers_with_the_stored_entry(fresh_server: ServerProcess) -
         assert httpx.get(url).content == first
         fresh_server.stop()
         fresh_server.start()
+
+
+def _entry_with_letters_in_its_crc() -> tuple[bytes, str]:
+    for seed in range(100):
+        data = body((16,), "U8", 1, seed=seed)
+        if any(c in "abcdef" for c in crc_hex(data)[1:]):
+            return data, crc_hex(data)
+    raise AssertionError("no seed gave a CRC with hex letters")
+
+
+def test_crc_header_takes_exactly_8_lowercase_hex_digits(server: ServerProcess) -> None:
+    data, crc = _entry_with_letters_in_its_crc()
+    url = server.url + "/ec/m/uint8/crc-grammar"
+    for value in ("+" + crc[1:], "0x" + crc[2:], crc[:4] + "_" + crc[5:], crc.upper(), crc[1:]):
+        refused = httpx.put(url, content=data, headers={"X-EC-CRC32C": value})
+        assert refused.status_code == 400, (value, refused.text)
+        assert refused.json()["error"] == "invalid_request"
+        assert refused.json()["part"] == "checksum"
+        assert httpx.get(url).status_code == 404
+    assert httpx.put(url, content=data, headers={"X-EC-CRC32C": crc}).status_code == 201
+
+
+def test_query_integers_take_ascii_digits_only(server: ServerProcess) -> None:
+    url = server.url + "/namespaces/entries"
+    for value in ("+5", " 5", "5_0", "\u0665", "5.0"):
+        response = httpx.get(url, params={"model": "m", "dtype": "uint8", "limit": value})
+        assert response.status_code == 400, (value, response.text)
+        assert response.json()["error"] == "invalid_request"
+    ok = httpx.get(url, params={"model": "m", "dtype": "uint8", "limit": "05"})
+    assert ok.status_code == 200
