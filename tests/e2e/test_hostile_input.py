@@ -118,3 +118,31 @@ def test_query_integers_take_ascii_digits_only(server: ServerProcess) -> None:
         assert response.json()["error"] == "invalid_request"
     ok = httpx.get(url, params={"model": "m", "dtype": "uint8", "limit": "05"})
     assert ok.status_code == 200
+
+
+PARSER_REFUSALS = {
+    "raw UTF-8 in the path": ("GET", "/ec/m/uint8/\xc3\xa9", {}),
+    "raw byte in the query": ("GET", "/healthz?x=\xff", {}),
+    "raw high byte alone": ("GET", "/\x80", {}),
+    "space in the target": ("GET", "/ec/m/uint8/a b", {}),
+    "signed Content-Length": ("PUT", "/ec/m/uint8/cl", {"Content-Length": "+4"}),
+    "Content-Length list": ("PUT", "/ec/m/uint8/cl", {"Content-Length": "4,4"}),
+}
+
+
+@pytest.mark.parametrize("name", list(PARSER_REFUSALS))
+def test_requests_the_http_parser_refuses_answer_a_json_400(
+    server: ServerProcess, name: str
+) -> None:
+    method, target, headers = PARSER_REFUSALS[name]
+    response = rawhttp.request(server.port, method, target, headers, body=b"\0\0\0\0")
+    assert response.status == 400
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["connection"] == "close"
+    assert response.json()["error"] == "malformed_request"
+
+
+def test_percent_encoded_non_ascii_reaches_the_app(server: ServerProcess) -> None:
+    response = rawhttp.request(server.port, "GET", "/ec/m/uint8/%C3%A9")
+    assert response.status == 400
+    assert response.json()["error"] == "invalid_hash"
