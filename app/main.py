@@ -71,6 +71,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # A bug, not a client's fault: JSON like every other error (the traceback is logged).
+    return _error(
+        request, 500, "internal_error", "internal server error (see the server log)", None
+    )
+
+
 class ConfigurationError(Exception):
     """Settings that are valid one by one but not together; start-up stops."""
 
@@ -140,6 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ECError, _ec_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
     # Added last is outermost: ids and access lines cover refusals and metrics too.
     app.add_middleware(AdmissionMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
