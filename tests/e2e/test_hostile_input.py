@@ -72,6 +72,7 @@ def test_no_path_answers_a_redirect(server: ServerProcess) -> None:
                 if method != "HEAD":
                     assert "error" in response.json(), (method, variant, response.body[:200])
     assert tried >= 200
+    print(f"{tried} requests to {len(targets)} paths, none redirected")
 
 
 def test_losing_put_answers_with_the_stored_entry(fresh_server: ServerProcess) -> None:
