@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from app.logs import logging_config
 from app.main import ConfigurationError, create_app
+from app.protocol import JSONErrorsHttpToolsProtocol
 from app.settings import Settings
 
 
@@ -44,7 +45,7 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=JSONErrorsHttpToolsProtocol,  # httptools, with JSON 400s from its parser
         log_config=log_config,
         access_log=False,  # app.middleware writes access lines with request ids
         server_header=False,

@@ -189,7 +189,7 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     """
     try:
         data: Any = json.loads(bytes(header))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # also int()'s digit limit, deep nesting
         raise IntegrityError(f"safetensors header is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise IntegrityError("safetensors header is not a JSON object")
@@ -200,11 +200,17 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     if not isinstance(entry, dict):
         raise IntegrityError("safetensors tensor entry is not an object")
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in _BY_CODE:
-        raise IntegrityError(f"safetensors dtype {code!r} is not stored by ec-cache")
+    if not isinstance(code, str) or code not in _BY_CODE:
+        raise IntegrityError(f"safetensors dtype {code!r:.80} is not stored by ec-cache")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise IntegrityError(f"safetensors shape {shape!r} is not a list of sizes")
+        raise IntegrityError(f"safetensors shape {shape!r:.80} is not a list of sizes")
     meta = TensorMeta(_BY_CODE[code], tuple(shape), len(header))
+    # torch sizes tensors in signed 64-bit, even with no elements (zero dims count as 1).
+    itemsize = DTYPES[meta.dtype][0].itemsize
+    if len(shape) > 64 or math.prod(max(d, 1) for d in shape) * itemsize >= 1 << 63:
+        raise IntegrityError(f"safetensors shape {shape!r:.80} is too large for a tensor")
+    if not (isinstance(offsets, list) and all(type(o) is int for o in offsets)):
+        raise IntegrityError(f"safetensors data_offsets {offsets!r:.80} are not integers")
     if offsets != [0, meta.nbytes]:
         raise IntegrityError(
             f"safetensors data_offsets {offsets!r} do not match shape {shape} ({meta.nbytes} B)"
