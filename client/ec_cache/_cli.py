@@ -13,7 +13,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from ._client import Client
 from ._config import Retries, Timeouts
 from ._exceptions import (
     ECCacheError,
@@ -21,6 +20,7 @@ from ._exceptions import (
     InvalidKeyError,
     InvalidTensorError,
 )
+from ._sync.client import Client
 from ._tensors import (
     DTYPES,
     EntryInfo,
