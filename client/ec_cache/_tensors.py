@@ -38,6 +38,8 @@ __all__ = [
 
 TENSOR_NAME = "tensor"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+MAX_DIMS = 64
+MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 # wire name -> (torch dtype, safetensors dtype code). Keep in sync with DESIGN.md.
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -202,8 +204,12 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if code not in _BY_CODE:
         raise IntegrityError(f"safetensors dtype {code!r} is not stored by ec-cache")
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise IntegrityError(f"safetensors shape {shape!r} is not a list of sizes")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_DIMS
+        and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+    ):
+        raise IntegrityError(f"safetensors shape {str(shape)[:200]} is not a list of sizes")
     meta = TensorMeta(_BY_CODE[code], tuple(shape), len(header))
     if offsets != [0, meta.nbytes]:
         raise IntegrityError(
@@ -214,11 +220,23 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     return meta
 
 
+_DIM_RE = re.compile(r"[0-9]{1,19}")
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
+    """``X-EC-Shape`` (``"576,4096"``; empty for a scalar); ``ValueError`` unless every
+    part is plain decimal digits (no sign, ``_``, spaces or non-ASCII digits).
+
+    >>> parse_shape("576,4096"), parse_shape("")
+    ((576, 4096), ())
+    """
     text = text.strip()
     if not text:
         return ()
-    return tuple(int(part) for part in text.split(","))
+    parts = text.split(",")
+    if len(parts) > MAX_DIMS or not all(_DIM_RE.fullmatch(p) for p in parts):
+        raise ValueError(f"bad shape {text[:80]!r}")
+    return tuple(int(part) for part in parts)
 
 
 def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
