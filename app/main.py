@@ -16,6 +16,7 @@ from app.auth import AnonymousAccess, Authenticator, load_tokens
 from app.errors import ECError
 from app.metrics import Metrics, MetricsMiddleware
 from app.middleware import AdmissionMiddleware, RequestContextMiddleware
+from app.namespaces_api import router as namespaces_router
 from app.settings import Settings
 from app.store import Store
 from app.tiers.disk import DiskTier
@@ -108,7 +109,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or Settings()
     authenticator = _authenticator(settings)
-    metrics = Metrics()
+    metrics = Metrics(settings.metrics_namespaces)
     disk = DiskTier(settings.data_dir, settings.disk_max_bytes)
     metrics.watch_disk(disk.stats)
     store = Store(settings, disk, metrics, _s3_tier(settings, disk, metrics))
@@ -132,6 +133,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = store
     app.state.authenticator = authenticator
     app.include_router(router)
+    app.include_router(namespaces_router)
     app.add_exception_handler(ECError, _ec_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

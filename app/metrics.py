@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,11 +41,34 @@ _LATENCY_BUCKETS = (
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
-class Metrics:
-    """The server's metrics; tiers report through the objects defined here."""
+#: The label values of the namespaces beyond ``EC_METRICS_NAMESPACES``.
+OTHER_NAMESPACE = "_other"
 
-    def __init__(self) -> None:
+
+class Metrics:
+    """The server's metrics; tiers report through the objects defined here.
+
+    ``namespaces`` > 0 (``EC_METRICS_NAMESPACES``) also counts lookups per namespace
+    (model, dtype), for the first ``namespaces`` namespaces seen; the rest are counted
+    under ``_other``, so the number of series stays bounded whatever clients send.
+    """
+
+    def __init__(self, namespaces: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.max_namespaces = namespaces
+        self._namespaces: set[tuple[str, str]] = set()
+        self.namespace_lookups = (
+            Counter(
+                "ec_namespace_lookups",
+                "Entry reads (GET and HEAD) per namespace (model, dtype) by the tier that "
+                "answered or miss; only with EC_METRICS_NAMESPACES > 0, namespaces beyond "
+                "it counted as _other.",
+                ["model", "dtype", "result"],
+                registry=self.registry,
+            )
+            if namespaces > 0
+            else None
+        )
         self.requests = Counter(
             "ec_http_requests",
             "HTTP requests answered, by route, method and status.",
@@ -76,8 +105,56 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.ready = Gauge(
+            "ec_ready",
+            "1 when the last readiness check (/readyz) passed, else 0.",
+            registry=self.registry,
+        )
+        self.readiness_changes = Counter(
+            "ec_readiness_changes",
+            "Times the readiness check result changed (ready <-> not ready).",
+            registry=self.registry,
+        )
+        self._last_ready: bool | None = None
+
+    def readiness(self, ready: bool) -> None:
+        """Record one readiness check's result."""
+        self.ready.set(1 if ready else 0)
+        if self._last_ready is not None and ready != self._last_ready:
+            self.readiness_changes.inc()
+        self._last_ready = ready
+
+    def watch_s3(self, up: Callable[[], bool]) -> None:
+        self.registry.register(_S3UpCollector(up))
+
+    def lookup(self, model: str, dtype: str, result: str) -> None:
+        """Count one entry read answered by ``result`` (``disk``, ``s3`` or ``miss``)."""
+        self.lookups.labels(result).inc()
+        if self.namespace_lookups is None:
+            return
+        namespace = (model, dtype)
+        if namespace not in self._namespaces:
+            if len(self._namespaces) >= self.max_namespaces:
+                namespace = (OTHER_NAMESPACE, OTHER_NAMESPACE)
+            else:
+                self._namespaces.add(namespace)
+        self.namespace_lookups.labels(*namespace, result).inc()
+
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self.registry.register(_DiskCollector(stats))
+
+
+class _S3UpCollector(Collector):
+    def __init__(self, up: Callable[[], bool]) -> None:
+        self._up = up
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "ec_s3_up",
+            "1 while S3 is reachable: the last readiness check of S3 passed and no "
+            "unavailable error is cooling down; else 0.",
+            value=1 if self._up() else 0,
+        )
 
 
 class _DiskCollector(Collector):
@@ -107,6 +184,8 @@ def route_label(method: str, path: str) -> str:
         return "exists" if method == "POST" and path.endswith("/_exists") else "entry"
     if path in ("/healthz", "/readyz", "/metrics", "/stats", "/docs", "/openapi.json"):
         return path[1:]
+    if path == "/namespaces" or path.startswith("/namespaces/"):
+        return "namespaces"
     return "other"
 
 

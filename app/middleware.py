@@ -91,7 +91,11 @@ class AdmissionMiddleware:
 
 class RequestContextMiddleware:
     """Gives every request an id (the client's ``X-Request-ID`` when sane), echoes it
-    in the response and writes one access line when the response is done."""
+    in the response and writes one access line when the response is done.
+
+    The line carries, like nginx's ``$upstream_cache_status``, the tier that answered an
+    entry read (``cache=disk``, ``s3`` or ``miss``; ``-`` for other requests), the body
+    bytes sent and received, and the duration."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -106,6 +110,14 @@ class RequestContextMiddleware:
         start = time.perf_counter()
         status = 0
         sent = 0
+        received = 0
+
+        async def receive_counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+            return message
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, sent
@@ -120,24 +132,29 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_counted, send_with_id)
         finally:
             client = scope.get("client")
+            cache = scope["state"].get("cache")
+            duration_ms = (time.perf_counter() - start) * 1e3
             access_log.info(
-                "%s %s %d %dB %.1fms id=%s",
+                "%s %s %d cache=%s %dB %.1fms id=%s",
                 scope["method"],
                 scope["path"],
                 status,
+                cache or "-",
                 sent,
-                (time.perf_counter() - start) * 1e3,
+                duration_ms,
                 request_id,
                 extra={
                     "request_id": request_id,
                     "method": scope["method"],
                     "path": scope["path"],
                     "status": status,
+                    "cache": cache,
                     "bytes_sent": sent,
-                    "duration_ms": round((time.perf_counter() - start) * 1e3, 3),
+                    "bytes_received": received,
+                    "duration_ms": round(duration_ms, 3),
                     "client": f"{client[0]}:{client[1]}" if client else None,
                 },
             )

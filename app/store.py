@@ -14,9 +14,10 @@ from typing import Any
 
 import anyio.to_thread
 
-from app.errors import NotFound
+from app.errors import NotFound, Unavailable
 from app.keys import EntryKey, key_digest
 from app.metrics import Metrics
+from app.namespaces import Purges
 from app.safetensors_format import BodyValidator, TensorHeader
 from app.settings import Settings, WriteMode
 from app.tiers.base import EntryBody, EntryInfo
@@ -65,8 +66,17 @@ class Store:
                 retry_max=settings.writeback_retry_max,
                 registry=metrics.registry,
             )
+        self.purges = Purges(settings.data_dir, disk, s3, self.uploads)
+        if s3 is not None:
+            metrics.watch_s3(
+                lambda: (
+                    s3.objects.available and (s3.readiness_state is None or s3.readiness_state.ok)
+                )
+            )
 
     async def start(self) -> None:
+        # Running purges guard their namespaces before any request is answered.
+        await anyio.to_thread.run_sync(self.purges.load)
         if self.uploads is not None:  # pin pending uploads before anything is evicted
             await anyio.to_thread.run_sync(self.uploads.load)
         await anyio.to_thread.run_sync(self.disk.rebuild)
@@ -75,9 +85,11 @@ class Store:
             await self.uploads.start()
         if self.s3 is not None:
             await self.s3.start()
+        await self.purges.start()
 
     async def stop(self) -> None:
         """Stop background work; pending write-back uploads stay in the journal."""
+        await self.purges.stop()
         if self.uploads is not None:
             await self.uploads.stop(self.settings.writeback_drain_timeout)
         if self.s3 is not None:
@@ -92,15 +104,18 @@ class Store:
         return opened.body() if opened is not None else None
 
     async def get(self, key: EntryKey) -> EntryBody:
+        if self.purges.blocks(key):  # being purged: gone already
+            self.metrics.lookup(key.model, key.dtype, "miss")
+            raise NotFound(f"no entry {key} (its namespace is being purged)")
         body = await self._open_disk(key)
         if body is None and self.s3 is not None:
             # No await between the disk miss and joining/starting the S3 fill: a fill
             # that just committed is seen on disk, one in flight is joined.
             body = await self._get_from_s3(self.s3, key)
         if body is None:
-            self.metrics.lookups.labels("miss").inc()
+            self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key}")
-        self.metrics.lookups.labels(body.info.tier).inc()
+        self.metrics.lookup(key.model, key.dtype, body.info.tier)
         return body
 
     async def _get_from_s3(self, s3: S3Tier, key: EntryKey) -> EntryBody | None:
@@ -118,19 +133,21 @@ class Store:
         return EntryBody(info, chunks=fill.stream(self.settings.s3_get_chunk_size))
 
     async def head(self, key: EntryKey) -> EntryInfo:
-        info = self.disk.info(key)
-        if info is None:
+        info = None if self.purges.blocks(key) else self.disk.info(key)
+        if info is None and not self.purges.blocks(key):
             body = await self._open_disk(key)
             info = body.info if body is not None else None
-        if info is None and self.s3 is not None:
+        if info is None and self.s3 is not None and not self.purges.blocks(key):
             info = await self.s3.head(key)  # object metadata: never the body
         if info is None:
-            self.metrics.lookups.labels("miss").inc()
+            self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key}")
-        self.metrics.lookups.labels(info.tier).inc()
+        self.metrics.lookup(key.model, key.dtype, info.tier)
         return info
 
     async def exists(self, key: EntryKey) -> bool:
+        if self.purges.blocks(key):
+            return False
         if self.disk.contains(key):
             return True
         return self.s3 is not None and await self.s3.exists(key)
@@ -138,6 +155,8 @@ class Store:
     async def exists_many(self, model: str, dtype: str, hashes: Sequence[str]) -> list[bool]:
         """Presence of many validated hashes of one model and dtype, in order. Keys are
         built only for the disk misses that S3 is asked about (1000 at a time here)."""
+        if hashes and self.purges.blocks(EntryKey(model, dtype, hashes[0])):
+            return [False] * len(hashes)
         present = self.disk.contains_digests([key_digest(model, dtype, h) for h in hashes])
         s3 = self.s3
         if s3 is None or all(present):
@@ -171,6 +190,7 @@ class Store:
         Raises before the body is fully read when it is known to be bad; nothing is
         left behind on any error, including the client going away.
         """
+        self._refuse_if_purging(key)
         validator = BodyValidator(
             key.dtype,
             max_bytes=self.settings.max_body_bytes,
@@ -204,6 +224,7 @@ class Store:
         self, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
     ) -> bool:
         """Publish a validated temp file to the tiers the write mode asks for."""
+        self._refuse_if_purging(key)  # a purge may have started while the body came in
         if self.s3 is None or self.disk.contains(key):
             # Disk only, or already here (and so in S3 or queued for it): disk decides.
             return await anyio.to_thread.run_sync(pending.commit, crc, header)
@@ -239,6 +260,12 @@ class Store:
             return await anyio.to_thread.run_sync(pending.commit, crc, header)
         finally:
             uploads.release(item, on_disk=self.disk.contains(key))
+
+    def _refuse_if_purging(self, key: EntryKey) -> None:
+        if self.purges.blocks(key):
+            raise Unavailable(
+                f"namespace {key.model}/{key.dtype} is being purged: retry later", retry_after=5
+            )
 
     async def _upload_pending(self, item: PendingUpload) -> None:
         """The write-back queue's upload: disk entry (verified) -> S3."""
@@ -304,6 +331,7 @@ class Store:
         checks = {"disk": await anyio.to_thread.run_sync(_check_writable, self.disk)}
         if self.s3 is not None:
             checks["s3"] = await self.s3.readiness()
+        self.metrics.readiness(all(result == "ok" for result in checks.values()))
         return checks
 
 

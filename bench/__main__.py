@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = suite.Plan.quick_plan() if args.quick else suite.Plan.full()
     # Large copies through torch's intra-op pool stall when the other core is busy
-    # (PERF-NOTES); none of the contenders computes anything.
+    # (measured on the 2-core build machines); none of the contenders computes anything.
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _terminate)
 

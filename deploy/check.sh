@@ -56,6 +56,8 @@ step "pytest tests/deploy"
 # tests/conftest.py belongs to the server suite (needs httpx etc.); the deploy tests
 # use no fixtures from it, so they run in the tools venv with --noconftest. The
 # server's own venv can run them too: `.venv/bin/python -m pytest tests/deploy`.
+# tests/deploy/test_deploy_observability.py starts a real server for its /metrics, with
+# the server's venv ($EC_SERVER_PYTHON, default .venv/bin/python: `make test` builds it).
 EC_DEPLOY_VENV="$VENV" "$BIN/python" -m pytest -p no:cacheprovider --noconftest -q \
   -o addopts="" "$ROOT/tests/deploy" "$@"
 

@@ -232,6 +232,7 @@ schema = {
                     "enum": [None, "none", "read", "read-write"],
                 },
                 "metricsPublic": opt_bool("EC_METRICS_PUBLIC"),
+                "metricsNamespaces": opt_int("EC_METRICS_NAMESPACES", 0, 10000),
                 "maxConcurrentUploads": opt_int("EC_MAX_CONCURRENT_UPLOADS", 1),
                 "maxConcurrentDownloads": opt_int("EC_MAX_CONCURRENT_DOWNLOADS", 1),
                 "bodyReadTimeout": pos_num("EC_BODY_READ_TIMEOUT (seconds)"),
@@ -369,6 +370,33 @@ schema = {
                 "honorLabels": b(),
                 "relabelings": arr(),
                 "metricRelabelings": arr(),
+            }
+        ),
+        "grafanaDashboard": obj(
+            {
+                "enabled": b(),
+                "namespace": s(),
+                "labels": strmap(),
+                "annotations": strmap(),
+            }
+        ),
+        "prometheusRule": obj(
+            {
+                "enabled": b(),
+                "namespace": s(),
+                "labels": strmap(),
+                "annotations": strmap(),
+                "alertLabels": strmap(),
+                "thresholds": obj(
+                    {
+                        "errorRatio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                        "p99Seconds": {"type": "number", "exclusiveMinimum": 0},
+                        "writeBackQueueDepth": {"type": "integer", "minimum": 0},
+                        "writeBackOldestSeconds": {"type": "number", "exclusiveMinimum": 0},
+                        "diskChurnRatio": {"type": "number", "exclusiveMinimum": 0},
+                        "readinessChanges": {"type": "integer", "minimum": 0},
+                    }
+                ),
             }
         ),
         "networkPolicy": obj(

@@ -5,8 +5,8 @@ Every document of every file (multi-document YAML, e.g. `helm template` output, 
 `-` for stdin) is checked against Kubernetes' own JSON schemas, strict mode (unknown
 fields are errors), for each Kubernetes version asked for, with the pinned
 `kubernetes-validate` package: no cluster, no network. Custom resources that
-Kubernetes has no schema for (the Prometheus Operator's ServiceMonitor) are checked
-against the subset schema in deploy/schemas/ instead. YAML with duplicate keys is
+Kubernetes has no schema for (the Prometheus Operator's ServiceMonitor and
+PrometheusRule) are checked against the subset schemas in deploy/schemas/ instead. YAML with duplicate keys is
 rejected (PyYAML would silently keep the last one), and so are two objects with the
 same kind, namespace and name.
 
@@ -33,6 +33,7 @@ DEFAULT_VERSIONS = ("1.25.0", "1.37.0")
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 CUSTOM_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "servicemonitor-v1-subset.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheusrule-v1-subset.json",
 }
 
 

@@ -4,12 +4,20 @@ Layout (the name is a digest of the key because hashes may exceed NAME_MAX)::
 
     {data_dir}/objects/{digest[:2]}/{digest}.{crc32c hex}.safetensors
     {data_dir}/tmp/        in-flight writes, removed at start-up
+    {data_dir}/keys.log    "{digest} {model} {dtype} {hash}" per entry (namespaces)
 
 Writes go to ``tmp/`` and are renamed into ``objects/`` after ``fsync``: a crash
 never leaves a partial entry and readers never see a half-written file. Committed
 files are immutable; each is served by ``mmap`` and its CRC32C re-verified whenever
 its (inode, size, mtime, ctime) changes, so bytes changed on disk are caught and the
 entry dropped. The index lives in memory and is rebuilt from file names at start-up.
+
+File names cannot be turned back into keys, so each commit first appends its key to
+``keys.log`` (one short line, before the rename that publishes the entry); the log is
+read back and compacted at start-up and when it has grown well past the index. It is
+what lets the tier list and purge a namespace (model, dtype). An entry whose line is
+missing (files from before the log existed, or a line lost to a power cut) is
+*unattributed*: served as usual, counted apart, and removed by any purge.
 All methods are synchronous and thread-safe; the store runs slow ones in threads.
 """
 
@@ -21,6 +29,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 import tempfile
 import threading
 from collections import OrderedDict
@@ -29,14 +38,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.checksum import crc32c, to_hex
-from app.errors import ECError, InsufficientStorage
+from app.errors import ECError, InsufficientStorage, InvalidKey
 from app.keys import EntryKey
-from app.safetensors_format import TensorHeader, validate_body
+from app.safetensors_format import (
+    TensorHeader,
+    parse_header,
+    read_header_length,
+    validate_body,
+)
 from app.tiers.base import EntryBody, EntryInfo
 
 log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{8})\.safetensors$")
+KEYS_LOG = "keys.log"
+#: Compact keys.log when it holds this many more lines than the index has entries.
+KEYS_LOG_SLACK = 4096
+Namespace = tuple[str, str]
 _Signature = tuple[int, int, int, int]
 
 
@@ -52,6 +70,8 @@ class _Entry:
     # Set once the file's bytes were checked against crc32c; stale if the file changed.
     verified: _Signature | None = None
     header: TensorHeader | None = None
+    #: None: unattributed (its keys.log line is missing).
+    key: EntryKey | None = None
 
 
 @dataclass
@@ -63,6 +83,25 @@ class DiskStats:
     evicted_bytes: int
     corrupt_removed: int
     pinned: int
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """Entries and bytes of one namespace on this disk (model and dtype None:
+    unattributed entries)."""
+
+    model: str | None
+    dtype: str | None
+    entries: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ListedEntry:
+    hash: str
+    size: int
+    crc32c: int
+    header: TensorHeader | None
 
 
 @dataclass
@@ -159,6 +198,13 @@ class DiskTier:
         self._evictions = 0
         self._evicted_bytes = 0
         self._corrupt_removed = 0
+        # namespace -> {hash: digest}; and the digests of unattributed entries
+        self._namespaces: dict[Namespace, dict[str, str]] = {}
+        self._namespace_bytes: dict[Namespace, int] = {}
+        self._unattributed: dict[str, int] = {}
+        self._keys_lock = threading.Lock()
+        self._keys_fd: int | None = None
+        self._keys_lines = 0
 
     # -- start-up -----------------------------------------------------------------
 
@@ -183,18 +229,25 @@ class DiskTier:
                 entry = _Entry(Path(item.path), st.st_size, int(match.group(2), 16))
                 found.append((max(st.st_atime_ns, st.st_mtime_ns), match.group(1), entry))
         found.sort(key=lambda item: item[0])
+        keys = self._read_keys_log()
         with self._lock:
             self._index.clear()
+            self._namespaces.clear()
+            self._namespace_bytes.clear()
+            self._unattributed.clear()
             self._used = 0
             for _, digest, entry in found:
                 if digest in self._index:  # only possible after tampering: keep the first
                     with contextlib.suppress(OSError):
                         entry.path.unlink()
                     continue
+                entry.key = keys.get(digest)
                 self._index[digest] = entry
+                self._track_locked(digest, entry)
                 self._used += entry.size
             victims = self._evict_locked()
         self._unlink(victims)
+        self._compact_keys_log()
         log.info(
             "disk tier: %d entries, %d of %d bytes", len(self._index), self._used, self.max_bytes
         )
@@ -283,13 +336,16 @@ class DiskTier:
             )
         final = self._objects / digest[:2] / f"{digest}.{to_hex(crc)}.safetensors"
         final.parent.mkdir(exist_ok=True)
+        self._log_key(pending.key)  # before the rename: a visible entry has its key
         with self._lock:
             if digest in self._index:
                 created = False
             else:
                 os.rename(pending.path, final)
                 signature = _signature(os.stat(final))
-                self._index[digest] = _Entry(final, pending.written, crc, signature, header)
+                entry = _Entry(final, pending.written, crc, signature, header, pending.key)
+                self._index[digest] = entry
+                self._track_locked(digest, entry)
                 self._used += pending.written
                 created = True
             victims = self._evict_locked() if created else []
@@ -304,6 +360,7 @@ class DiskTier:
         with self._lock:
             entry = self._index.pop(key.digest, None)
             if entry is not None:
+                self._untrack_locked(key.digest, entry)
                 self._used -= entry.size
         if entry is None:
             return False
@@ -361,6 +418,8 @@ class DiskTier:
                 chosen.append(digest)
                 freed += entry.size
         victims = [self._index.pop(digest) for digest in chosen]
+        for digest, entry in zip(chosen, victims, strict=True):
+            self._untrack_locked(digest, entry)
         self._used -= freed
         self._evictions += len(victims)
         self._evicted_bytes += freed
@@ -371,11 +430,143 @@ class DiskTier:
         with self._lock:
             if self._index.get(key.digest) is entry:
                 del self._index[key.digest]
+                self._untrack_locked(key.digest, entry)
                 self._used -= entry.size
                 self._corrupt_removed += 1
             else:
                 return
         self._unlink([entry])
+
+    # -- namespaces -----------------------------------------------------------------
+
+    def _track_locked(self, digest: str, entry: _Entry) -> None:
+        if entry.key is None:
+            self._unattributed[digest] = entry.size
+            return
+        namespace = (entry.key.model, entry.key.dtype)
+        self._namespaces.setdefault(namespace, {})[entry.key.hash] = digest
+        self._namespace_bytes[namespace] = self._namespace_bytes.get(namespace, 0) + entry.size
+
+    def _untrack_locked(self, digest: str, entry: _Entry) -> None:
+        if entry.key is None:
+            self._unattributed.pop(digest, None)
+            return
+        namespace = (entry.key.model, entry.key.dtype)
+        members = self._namespaces.get(namespace)
+        if members is None or members.pop(entry.key.hash, None) is None:
+            return
+        if members:
+            self._namespace_bytes[namespace] -= entry.size
+        else:
+            del self._namespaces[namespace]
+            del self._namespace_bytes[namespace]
+
+    def namespaces(self) -> tuple[list[NamespaceUsage], NamespaceUsage]:
+        """Usage per namespace (sorted), and that of the unattributed entries."""
+        with self._lock:
+            usage = [
+                NamespaceUsage(model, dtype, len(members), self._namespace_bytes[(model, dtype)])
+                for (model, dtype), members in self._namespaces.items()
+            ]
+            unattributed = NamespaceUsage(
+                None, None, len(self._unattributed), sum(self._unattributed.values())
+            )
+        usage.sort(key=lambda u: (u.model or "", u.dtype or ""))
+        return usage, unattributed
+
+    def list_namespace(
+        self, model: str, dtype: str, after: str | None, limit: int
+    ) -> tuple[list[ListedEntry], str | None]:
+        """Up to ``limit`` entries of a namespace with hashes after ``after``, in hash
+        order, and the cursor of the next page (None at the end). Reads the headers of
+        entries not described since start-up (a few KiB each): call from a thread."""
+        with self._lock:
+            members = self._namespaces.get((model, dtype), {})
+            hashes = sorted(h for h in members if after is None or h > after)
+            page = hashes[:limit]
+            entries = [(h, self._index[members[h]]) for h in page]
+        listed = [
+            ListedEntry(h, e.size, e.crc32c, e.header or _read_header(e.path, dtype))
+            for h, e in entries
+        ]
+        return listed, (page[-1] if len(hashes) > limit else None)
+
+    def purge(self, model: str, dtype: str | None) -> tuple[int, int]:
+        """Remove every entry of ``model`` (of ``dtype``, or of every dtype when None)
+        and every unattributed entry; returns (entries, bytes) removed. Idempotent."""
+        with self._lock:
+            digests = [
+                digest
+                for (m, d), members in self._namespaces.items()
+                if m == model and (dtype is None or d == dtype)
+                for digest in members.values()
+            ]
+            digests += list(self._unattributed)
+            victims = []
+            for digest in digests:
+                entry = self._index.pop(digest, None)
+                if entry is not None:
+                    self._untrack_locked(digest, entry)
+                    self._used -= entry.size
+                    victims.append(entry)
+        self._unlink(victims)
+        return len(victims), sum(entry.size for entry in victims)
+
+    # -- keys.log -------------------------------------------------------------------
+
+    def _read_keys_log(self) -> dict[str, EntryKey]:
+        keys: dict[str, EntryKey] = {}
+        try:
+            text = (self.root / KEYS_LOG).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return keys
+        for line in text.splitlines():
+            parts = line.split(" ")
+            if len(parts) != 4:
+                continue  # a torn last line after a crash
+            try:
+                key = EntryKey.parse(parts[1], parts[2], parts[3])
+            except InvalidKey:
+                continue
+            if key.digest == parts[0]:
+                keys[key.digest] = key
+        return keys
+
+    @staticmethod
+    def _key_line(key: EntryKey) -> bytes:
+        return f"{key.digest} {key.model} {key.dtype} {key.hash}\n".encode()
+
+    def _log_key(self, key: EntryKey) -> None:
+        with self._keys_lock:
+            if self._keys_fd is None:
+                self._keys_fd = os.open(
+                    self.root / KEYS_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                )
+            os.write(self._keys_fd, self._key_line(key))
+            self._keys_lines += 1
+            grown = self._keys_lines > 2 * len(self._index) + KEYS_LOG_SLACK
+        if grown:
+            self._compact_keys_log()
+
+    def _compact_keys_log(self) -> None:
+        """Rewrite keys.log with the lines of the entries present (atomically)."""
+        with self._keys_lock:
+            with self._lock:
+                keys = [entry.key for entry in self._index.values() if entry.key is not None]
+            path = self.root / KEYS_LOG
+            if not keys and not path.exists():
+                return  # created by the first commit
+            temp = self.root / (KEYS_LOG + ".tmp")
+            with open(temp, "wb") as out:
+                out.write(b"".join(map(self._key_line, keys)))
+                out.flush()
+                os.fsync(out.fileno())
+            os.rename(temp, path)
+            fsync_dir(self.root)
+            if self._keys_fd is not None:
+                os.close(self._keys_fd)
+            self._keys_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._keys_lines = len(keys)
 
     @staticmethod
     def _unlink(entries: Iterable[_Entry]) -> None:
@@ -383,6 +574,17 @@ class DiskTier:
         for entry in entries:
             with contextlib.suppress(FileNotFoundError):
                 entry.path.unlink()
+
+
+def _read_header(path: Path, dtype: str) -> TensorHeader | None:
+    """The safetensors header of a committed file (None if unreadable or gone)."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            length = read_header_length(prefix)
+            return parse_header(f.read(length), dtype)
+    except (OSError, ECError, struct.error):
+        return None
 
 
 def fsync_dir(path: Path) -> None:

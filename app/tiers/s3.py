@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -676,6 +676,55 @@ class ObjectStore:
             lambda: self._client.delete_object(Bucket=self.bucket, Key=key),
             not_found_ok=True,
         )
+
+    async def list_page(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> tuple[list[tuple[str, int]], str | None]:
+        """(key, size) of up to ``limit`` objects directly under ``prefix`` (``/`` is the
+        delimiter: deeper keys are not listed) after ``start_after``, in key order, and
+        the ``start_after`` of the next page (None at the end)."""
+
+        def _list() -> Any:
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": prefix,
+                "Delimiter": "/",
+                "MaxKeys": limit,
+            }
+            if start_after:
+                kwargs["StartAfter"] = start_after
+            return self._client.list_objects_v2(**kwargs)
+
+        resp = await self._call("list", _list)
+        assert resp is not None
+        objects = [(item["Key"], int(item["Size"])) for item in resp.get("Contents", ())]
+        if not resp.get("IsTruncated"):
+            return objects, None
+        markers = [key for key, _ in objects[-1:]]
+        markers += [item["Prefix"] for item in resp.get("CommonPrefixes", ())[-1:]]
+        return objects, max(markers) if markers else None
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove up to 1000 objects in one request (absent ones are fine); raises
+        ``S3Error`` naming the first key S3 could not delete."""
+        if not keys:
+            return
+
+        def _delete() -> Any:
+            return self._client.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True},
+            )
+
+        resp = await self._call("delete_many", _delete)
+        errors = (resp or {}).get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise S3Error(
+                f"S3 could not delete {len(errors)} of {len(keys)} objects, first "
+                f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message')}",
+                code=first.get("Code"),
+            )
 
     async def put_bytes(
         self, key: str, data: bytes, *, crc32c: int, metadata: Mapping[str, str] | None = None

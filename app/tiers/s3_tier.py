@@ -379,6 +379,10 @@ class S3Tier:
             with contextlib.suppress(Exception):
                 await asyncio.shield(fill.finished)
 
+    def filling(self) -> list[EntryKey]:
+        """The keys being copied from S3 to disk right now."""
+        return [fill.key for fill in self._fills.values()]
+
     def _fill_done(self, fill: S3Fill) -> None:
         if self._fills.get(fill.key.digest) is fill:
             del self._fills[fill.key.digest]

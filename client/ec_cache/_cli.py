@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from . import _cli_ops
 from ._config import Retries, Timeouts
 from ._exceptions import (
     ECCacheError,
@@ -52,6 +53,10 @@ examples:
   ec-cache put vision.npy 3f2a
   ec-cache exists 3f2a 77b1 --json
   ec-cache stats
+  ec-cache ls                                  # namespaces on each replica's disk
+  ec-cache ls --model Qwen/Qwen2.5-VL-7B-Instruct --dtype bfloat16 --s3
+  ec-cache du --json
+  ec-cache purge --model Qwen/Qwen2.5-VL-7B-Instruct@a1b2c3   # asks first; --yes to skip
 """
 
 
@@ -169,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("exists", "check several hashes in one request per replica; exit 1 when any is absent")
     p.add_argument("hashes", nargs="+", metavar="HASH")
     add("stats", "print each replica's GET /stats summary")
+    _cli_ops.add_commands(add)
     return parser
 
 
@@ -457,6 +463,7 @@ COMMANDS = {
     "rm": cmd_rm,
     "exists": cmd_exists,
     "stats": cmd_stats,
+    **_cli_ops.COMMANDS,
 }
 
 

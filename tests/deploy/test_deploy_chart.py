@@ -179,6 +179,7 @@ EVERY_SETTING: dict[str, Any] = {
         },
         "anonymous": "read",
         "metricsPublic": True,
+        "metricsNamespaces": 20,
         "maxConcurrentUploads": 8,
         "maxConcurrentDownloads": 64,
         "bodyReadTimeout": 10,
@@ -671,7 +672,7 @@ def test_every_object_is_labelled_and_namespaced(value_file: Path | None) -> Non
         meta = d["metadata"]
         assert meta["labels"]["app.kubernetes.io/instance"] == "ec"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "Helm"
-        if d["kind"] != "ServiceMonitor":
+        if d["kind"] not in ("ServiceMonitor", "PrometheusRule"):
             assert meta["namespace"] == "cache", d["kind"]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
 from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
-from ec_cache.vllm import ECCacheConnectorConfig, ECCacheConnectorStats
+from ec_cache.vllm import ECCacheConnectorStats
 
 
 class Clock:
@@ -128,31 +128,6 @@ def test_uploader_close_drops_what_is_left() -> None:
     assert time.monotonic() - t0 < 2
     release.set()
     assert counters.totals()["save_dropped"] == 3  # the one in flight finishes
-
-
-def test_extra_config_parsing() -> None:
-    cfg = ECCacheConnectorConfig.from_extra_config(
-        {
-            "url": "http://a:8080, http://b:8080",
-            "save_queue_bytes": "256MiB",
-            "save": "false",
-            "hit_ttl_s": None,
-            "exists_timeout_s": "0.05",
-        }
-    )
-    assert cfg.urls == ("http://a:8080", "http://b:8080")
-    assert cfg.save_queue_bytes == 256 << 20 and cfg.save is False
-    assert cfg.hit_ttl_s is None and cfg.exists_timeout_s == 0.05
-    assert ECCacheConnectorConfig.from_extra_config({"urls": ["http://a"]}).urls == ("http://a",)
-    for bad, match in (
-        ({"url": "http://a", "on_load_failure": "ignore"}, "on_load_failure"),
-        ({"url": "http://a", "save_queue_bytes": "lots"}, "save_queue_bytes"),
-        ({"url": "http://a", "breaker_failures": 0}, "breaker_failures"),
-        ({"url": "http://a", "encoder_revision": "a/b"}, "encoder_revision"),
-        ({"url": "http://a", "save": "maybe"}, "save"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            ECCacheConnectorConfig.from_extra_config(bad)
 
 
 def test_stats_reduce_and_aggregate() -> None:

@@ -1,7 +1,8 @@
 """Support code for :mod:`ec_cache.vllm` that does not import vLLM.
 
-Kept apart so that the bounded caches, the circuit breaker, the counters and the
-background uploader can be used and tested without vLLM installed. The public
+Kept apart so that the configuration model, the bounded caches, the circuit breaker,
+the counters and the background uploader can be used and tested without vLLM
+installed. The public
 connector is :class:`ec_cache.vllm.ECCacheConnector`.
 """
 

@@ -1,0 +1,125 @@
+"""The connector's settings: ``ec_connector_extra_config`` parsed by one typed model.
+
+Unknown keys are refused (a typo never silently becomes a default). Sizes use the
+server's grammar (``EC_*`` settings): bytes, or a binary K/M/G/T suffix with optional
+``i`` and ``B`` (``512M``, ``512MB`` and ``512MiB`` are all 512 * 2**20 bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+_MODEL_SEGMENT = re.compile(r"[A-Za-z0-9._@+-]+")
+_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: Any) -> Any:
+    """``1048576``, ``"512KiB"``, ``"10G"`` -> bytes; anything else is left to pydantic."""
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match is None:
+            raise ValueError(f"{value!r} is not a size: use bytes or a KiB/MiB/GiB/TiB suffix")
+        number, unit = match.groups()
+        return int(number) * _SIZE_UNITS[(unit or "").upper()[:1]]
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=1)]
+Seconds = Annotated[float, Field(ge=0)]
+Timeout = Annotated[float, Field(ge=0.001)]
+Count = Annotated[int, Field(ge=1)]
+
+
+def check_model_namespace(model: str) -> str:
+    """``model`` if it is a valid ``{model}`` path part (docs/http-api.md), else
+    ``ValueError`` naming the rule."""
+    segments = model.split("/")
+    if (
+        not model
+        or len(model.encode("utf-8")) > 256
+        or any(s in ("", ".", "..") or not _MODEL_SEGMENT.fullmatch(s) for s in segments)
+    ):
+        raise ValueError(
+            f"{model!r} is not a valid ec-cache model namespace: use '/'-separated segments "
+            "of letters, digits, '.', '_', '-', '@', '+' (no empty, '.' or '..' segment, "
+            "at most 256 bytes)"
+        )
+    return model
+
+
+class ECCacheConnectorConfig(BaseModel):
+    """The connector's settings; build it with :meth:`from_extra_config`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    urls: tuple[str, ...] = Field(min_length=1)
+    model: str | None = None
+    encoder_revision: Annotated[str, Field(pattern=r"^[A-Za-z0-9._@+-]+$")] | None = None
+    dtype: str | None = None
+    token: str | None = None
+    # scheduler
+    exists_timeout_s: Timeout = 0.1
+    hit_cache_size: Annotated[int, Field(ge=0)] = 65536
+    hit_ttl_s: Seconds | None = 300.0
+    miss_ttl_s: Seconds = 1.0
+    breaker_failures: Count = 3
+    breaker_cooldown_s: Seconds = 1.0
+    breaker_max_cooldown_s: Seconds = 30.0
+    # worker: load
+    load_timeout_s: Timeout = 10.0
+    load_concurrency: Count = 8
+    on_load_failure: Literal["recompute", "raise"] = "recompute"
+    device: str | None = None
+    # worker: save
+    save: bool | None = None
+    save_all_ranks: bool = False
+    save_queue_items: Count = 64
+    save_queue_bytes: ByteSize = 1 << 30
+    upload_threads: Count = 2
+    upload_timeout_s: Timeout = 30.0
+    log_interval_s: Seconds = 60.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ECCacheConnectorConfig:
+        """Parse ``ec_connector_extra_config``; ``ValueError`` naming each bad key.
+
+        ``url`` (or ``urls``): one URL, a comma-separated list or a JSON list, else
+        ``$EC_CACHE_URL``; ``token`` defaults to ``$EC_CACHE_TOKEN``; an empty string
+        for an optional text key means "not set".
+        """
+        known = {"url", *cls.model_fields}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"ec_connector_extra_config: unknown key(s) {unknown} for ECCacheConnector; "
+                f"known: {sorted(known)}"
+            )
+        if "url" in extra and "urls" in extra:
+            raise ValueError("ec_connector_extra_config: give 'url' or 'urls', not both")
+        data = {k: v for k, v in extra.items() if k != "url"}
+        raw_urls = extra.get("urls", extra.get("url")) or os.environ.get("EC_CACHE_URL")
+        if not raw_urls:
+            raise ValueError(
+                "ECCacheConnector needs the server: set ec_connector_extra_config.url "
+                "(a URL, a comma-separated list or a JSON list) or EC_CACHE_URL"
+            )
+        parts = raw_urls.split(",") if isinstance(raw_urls, str) else raw_urls
+        data["urls"] = tuple(u.strip() for u in parts if isinstance(u, str) and u.strip())
+        for key in ("model", "encoder_revision", "dtype", "token", "device"):
+            if data.get(key) == "":
+                data[key] = None
+        if data.get("token") is None:
+            data["token"] = os.environ.get("EC_CACHE_TOKEN") or None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
+                for err in exc.errors()
+            )
+            raise ValueError(f"ec_connector_extra_config: {problems}") from None

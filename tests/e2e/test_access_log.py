@@ -1,0 +1,114 @@
+"""The access line: cache status (disk / s3 / miss), bytes and duration, text and JSON;
+opt-in per-namespace lookup metrics with bounded cardinality."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+
+from tests.support.entries import body
+from tests.support.server import ServerProcess
+
+TEXT_LINE = re.compile(
+    r"app\.access: (?P<method>[A-Z]+) (?P<path>\S+) (?P<status>\d{3}) cache=(?P<cache>\S+) "
+    r"(?P<bytes>\d+)B (?P<ms>[\d.]+)ms id=(?P<id>\S+)$"
+)
+
+
+def _traffic(url: str) -> bytes:
+    data = body((16, 4), "F32", 4, seed=3)
+    assert httpx.put(f"{url}/ec/m/float32/h1", content=data).status_code == 201
+    assert httpx.get(f"{url}/ec/m/float32/h1", headers={"X-Request-ID": "hit"}).content == data
+    assert httpx.head(f"{url}/ec/m/float32/h1", headers={"X-Request-ID": "head"}).is_success
+    miss = httpx.get(f"{url}/ec/m/float32/nope", headers={"X-Request-ID": "miss"})
+    assert miss.status_code == 404
+    assert httpx.get(f"{url}/healthz", headers={"X-Request-ID": "other"}).is_success
+    return data
+
+
+def test_text_access_line(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "d", tmp_path / "log", log_level="info") as srv:
+        data = _traffic(srv.url)
+    lines = {
+        m["id"]: m
+        for m in map(TEXT_LINE.search, (tmp_path / "log").read_text().splitlines())
+        if m is not None
+    }
+    assert lines["hit"]["cache"] == "disk"
+    assert int(lines["hit"]["bytes"]) == len(data)
+    assert float(lines["hit"]["ms"]) >= 0
+    assert lines["head"]["cache"] == "disk"
+    assert lines["head"]["bytes"] == "0"
+    assert lines["miss"]["cache"] == "miss"
+    assert lines["miss"]["status"] == "404"
+    assert lines["other"]["cache"] == "-"
+
+
+def test_json_access_line(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "d", tmp_path / "log", log_level="info", log_format="json") as s:
+        data = _traffic(s.url)
+    lines = [
+        json.loads(line)
+        for line in (tmp_path / "log").read_text().splitlines()
+        if line.startswith("{")
+    ]
+    access = {line["request_id"]: line for line in lines if line["logger"] == "app.access"}
+    assert access["hit"]["cache"] == "disk"
+    assert access["hit"]["bytes_sent"] == len(data)
+    assert access["hit"]["duration_ms"] >= 0
+    assert access["miss"]["cache"] == "miss"
+    assert access["other"]["cache"] is None
+    (put,) = [line for line in access.values() if line["method"] == "PUT"]
+    assert put["bytes_received"] == len(data)
+    assert put["status"] == 201
+
+
+def _samples(text: str, name: str) -> dict[tuple[str, str, str], float]:
+    """(model, dtype, result) -> value of each sample of ``name``."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            found[labels["model"], labels["dtype"], labels["result"]] = float(line.split()[-1])
+    return found
+
+
+def test_namespace_metrics_are_opt_in_and_bounded(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "d", tmp_path / "log") as srv:
+        httpx.get(f"{srv.url}/ec/m/float32/x")
+        assert "ec_namespace_lookups" not in httpx.get(srv.url + "/metrics").text
+    with ServerProcess(tmp_path / "e", tmp_path / "log2", metrics_namespaces=2) as srv:
+        data = body((4,), "U8", 1)
+        assert httpx.put(f"{srv.url}/ec/Qwen/A/uint8/h", content=data).status_code == 201
+        httpx.get(f"{srv.url}/ec/Qwen/A/uint8/h")
+        httpx.get(f"{srv.url}/ec/Qwen/A/uint8/h")
+        httpx.head(f"{srv.url}/ec/Qwen/A/uint8/missing")
+        for i in range(5):  # beyond the bound: one _other series, not five
+            httpx.get(f"{srv.url}/ec/tenant{i}/uint8/h")
+        samples = _samples(httpx.get(srv.url + "/metrics").text, "ec_namespace_lookups_total")
+    assert samples == {
+        ("Qwen/A", "uint8", "disk"): 2,
+        ("Qwen/A", "uint8", "miss"): 1,
+        ("tenant0", "uint8", "miss"): 1,
+        ("_other", "_other", "miss"): 4,
+    }
+
+
+def test_readiness_gauge_and_changes() -> None:
+    from app.metrics import Metrics
+
+    metrics = Metrics()
+    for ready in (True, True, False, True):
+        metrics.readiness(ready)
+    value = metrics.registry.get_sample_value
+    assert value("ec_ready") == 1
+    assert value("ec_readiness_changes_total") == 2
+
+
+def test_readyz_sets_ec_ready(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "d", tmp_path / "log") as srv:
+        assert httpx.get(srv.url + "/readyz").status_code == 200
+        assert "\nec_ready 1.0\n" in httpx.get(srv.url + "/metrics").text
