@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ._exceptions import IntegrityError, InvalidKeyError, InvalidTensorError
+from ._keys import DTYPE_NAMES, hash_error, model_error
 
 __all__ = [
     "DTYPES",
@@ -41,7 +42,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 MAX_DIMS = 64
 MAX_DIM = 2**63 - 1  # torch sizes are int64
 
-# wire name -> (torch dtype, safetensors dtype code). Keep in sync with DESIGN.md.
+# wire name -> (torch dtype, safetensors dtype code), in the order of _keys.DTYPE_NAMES.
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float32": (torch.float32, "F32"),
     "float16": (torch.float16, "F16"),
@@ -56,11 +57,9 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "int64": (torch.int64, "I64"),
     "bool": (torch.bool, "BOOL"),
 }
+assert tuple(DTYPES) == DTYPE_NAMES  # one list of names (ec_cache._keys)
 _BY_TORCH = {dt: name for name, (dt, _) in DTYPES.items()}
 _BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
-
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._@+-]+$")
-_HASH_RE = re.compile(r"^[A-Za-z0-9._:-]{1,256}$")
 
 
 def parse_dtype(dtype: torch.dtype | str) -> str:
@@ -89,21 +88,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_model(model: str) -> str:
     """Validate a model name (``/``-separated segments); returns it unchanged."""
-    if not isinstance(model, str) or not model:
-        raise InvalidKeyError("model must be a non-empty string")
-    if len(model.encode()) > 256:
-        raise InvalidKeyError("model is longer than 256 bytes")
-    for segment in model.split("/"):
-        if segment in ("", ".", "..") or not _SEGMENT_RE.match(segment):
-            raise InvalidKeyError(
-                f"model {model!r}: segment {segment!r} is not letters, digits, . _ @ + -"
-            )
+    error = model_error(model)
+    if error is not None:
+        raise InvalidKeyError(error)
     return model
 
 
 def check_hash(value: str) -> str:
-    if not isinstance(value, str) or not _HASH_RE.match(value):
-        raise InvalidKeyError(f"hash {value!r} is not 1-256 characters of letters, digits, . _ : -")
+    error = hash_error(value)
+    if error is not None:
+        raise InvalidKeyError(error)
     return value
 
 
