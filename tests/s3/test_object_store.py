@@ -13,10 +13,10 @@ import pytest
 
 from app.checksum import crc32c as crc
 from app.keys import EntryKey
-from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_from_b64, crc32c_to_b64
+from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_to_b64
 from app.tiers.s3.errors import S3Error, S3Unavailable
 from app.tiers.s3.readiness import check_ready, ensure_bucket
-from app.tiers.s3.transfers import crc32c_combine, put_bytes, put_file
+from app.tiers.s3.transfers import put_bytes, put_file
 from tests.s3.conftest import MiB, S3Control, StoreFactory
 from tests.s3.harness import CountingProxy, S3Endpoint, free_ports
 
@@ -28,19 +28,6 @@ def sample(size: int, seed: int = 0) -> bytes:
 
 
 # ------------------------------------------------------------------ pure helpers
-
-
-def test_crc32c_combine_matches_whole_crc() -> None:
-    data = os.urandom(3 * 1024 * 1024 + 17)
-    for cut in (0, 1, 5, 1024 * 1024, len(data) - 1, len(data)):
-        a, b = data[:cut], data[cut:]
-        assert crc32c_combine(crc(a), crc(b), len(b)) == crc(data)
-
-
-def test_crc32c_base64_round_trip() -> None:
-    for value in (0, 1, 0xDEADBEEF, 0xFFFFFFFF):
-        assert crc32c_from_b64(crc32c_to_b64(value)) == value
-    assert crc32c_from_b64("not base64!") is None
 
 
 def key_for(store: S3Client, model: str, dtype: str, hash_: str) -> str:
