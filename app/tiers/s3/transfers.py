@@ -7,8 +7,9 @@ PUT: the whole-object CRC; multipart: one CRC per part, and the parts' CRCs comb
 completed), and as user metadata ``x-amz-meta-ec-crc32c``, because endpoints differ in
 what they return on HEAD (composite ``...-N`` checksums for multipart, or none at all).
 
-The ``crc32c`` package offers no combine, so the GF(2) maths of zlib's ``crc32_combine``
-lives here (tested against whole-body CRCs in ``tests/s3/test_object_store.py``).
+Neither ``crc32c`` (2.9) nor ``google-crc32c`` (1.9) offers a combine, so the GF(2) maths
+of zlib's ``crc32_combine`` lives here (tested against whole-body CRCs in
+``tests/unit/test_s3_transfers.py``).
 """
 
 from __future__ import annotations
