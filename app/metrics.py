@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.tiers.disk import DiskStats
+if TYPE_CHECKING:  # metrics import no tier: every tier may import metrics
+    from app.tiers.disk import DiskStats
 
 _LATENCY_BUCKETS = (
     0.0005,

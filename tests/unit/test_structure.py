@@ -4,6 +4,8 @@ disk, every metric is defined in app/metrics.py, S3 settings live only in Settin
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 APP = Path(__file__).resolve().parents[2] / "app"
@@ -31,6 +33,16 @@ def test_s3_backend_does_not_know_the_disk() -> None:
             assert not name.startswith(
                 ("app.tiers.disk", "app.tiers.read_through", "app.tiers.upload_queue", "app.store")
             ), f"{path.name} imports {name}"
+
+
+def test_s3_backend_loads_without_the_disk_side() -> None:
+    code = (
+        "import sys, app.tiers.s3\n"
+        "loaded = [m for m in sys.modules if m.startswith(('app.tiers.disk', "
+        "'app.tiers.read_through', 'app.tiers.upload_queue', 'app.store'))]\n"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=APP.parent)
 
 
 def test_read_through_speaks_the_backend_interface_only() -> None:
