@@ -17,6 +17,9 @@ from app.settings import Settings
 def _explain(exc: ValidationError) -> str:
     lines = ["ec-cache: invalid configuration"]
     for error in exc.errors():
+        if not error["loc"]:  # a check across several settings: its message names them
+            lines.append(f"  {error['msg'].removeprefix('Value error, ')}")
+            continue
         name = "EC_" + "_".join(str(part) for part in error["loc"]).upper()
         shown = "<redacted>" if "TOKEN" in name else repr(error.get("input"))
         lines.append(f"  {name}={shown}: {error['msg']}")

@@ -99,3 +99,18 @@ class Unavailable(ECError):
 class InsufficientStorage(ECError):
     status_code = 507
     code = "insufficient_storage"
+
+
+class BackendError(ECError):
+    """The backend (S3) answered, but not with what we need (credentials, permissions,
+    bucket...). The code keeps its ``s3_`` name: S3 is the one backend, and clients
+    match on it."""
+
+    status_code = 502
+    code = "s3_error"
+
+
+class InvalidBackendObject(BackendError):
+    """What the backend holds for a key is not a valid entry (or failed its CRC32C)."""
+
+    code = "s3_invalid_object"

@@ -20,8 +20,7 @@ from app.namespaces_api import router as namespaces_router
 from app.settings import Settings
 from app.store import Store
 from app.tiers.disk import DiskTier
-from app.tiers.s3 import ObjectStore, S3Config
-from app.tiers.s3_tier import S3Tier
+from app.tiers.s3 import S3Backend
 
 
 def _error(
@@ -99,14 +98,11 @@ def _authenticator(settings: Settings) -> Authenticator:
     return Authenticator(tokens, anonymous)
 
 
-def _s3_tier(settings: Settings, disk: DiskTier, metrics: Metrics) -> S3Tier | None:
+def _s3_backend(settings: Settings, metrics: Metrics) -> S3Backend | None:
+    # Settings validated the EC_S3_* values (bucket required with an endpoint).
     if not settings.s3_enabled:
         return None
-    try:
-        config = S3Config.from_settings(settings)
-    except ValueError as exc:
-        raise ConfigurationError(str(exc)) from None
-    return S3Tier(ObjectStore(config, registry=metrics.registry), disk, metrics.registry)
+    return S3Backend.from_settings(settings, registry=metrics.registry)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -119,7 +115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics(settings.metrics_namespaces)
     disk = DiskTier(settings.data_dir, settings.disk_max_bytes)
     metrics.watch_disk(disk.stats)
-    store = Store(settings, disk, metrics, _s3_tier(settings, disk, metrics))
+    store = Store(settings, disk, metrics, _s3_backend(settings, metrics))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

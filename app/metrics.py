@@ -1,9 +1,17 @@
-"""Prometheus metrics, kept in one registry per app so tests can run several apps."""
+"""Every Prometheus metric of the server, defined here and nowhere else.
+
+One registry per app (so tests can run several apps): :class:`Metrics` holds the HTTP,
+lookup, readiness and disk series; the S3 backend, read-through and write-back queue
+register theirs on the same registry through :class:`S3Metrics`,
+:class:`ReadThroughMetrics` and :class:`UploadQueueMetrics` when they exist (a
+disk-only server exports no ``ec_s3_*`` series).
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.tiers.disk import DiskStats
+if TYPE_CHECKING:  # metrics import no tier: every tier may import metrics
+    from app.tiers.disk import DiskStats
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -142,6 +151,101 @@ class Metrics:
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self.registry.register(_DiskCollector(stats))
+
+
+class S3Metrics:
+    """The S3 client's series. Pass the server's registry; with none, the metrics go
+    to a private registry (useful in tests that build many clients)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.registry = reg
+        self.requests = Counter(
+            "ec_s3_requests_total",
+            "S3 requests by operation and outcome (ok, not_found, error, unavailable)",
+            ["operation", "outcome"],
+            registry=reg,
+        )
+        self.bytes = Counter(
+            "ec_s3_bytes_total",
+            "Body bytes moved to (up) and from (down) S3",
+            ["direction"],
+            registry=reg,
+        )
+        self.latency = Histogram(
+            "ec_s3_request_duration_seconds",
+            "S3 request latency by operation (get: until the response headers arrived)",
+            ["operation"],
+            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=reg,
+        )
+        self.fast_failures = Counter(
+            "ec_s3_fast_failures_total",
+            "S3 calls refused locally while the endpoint was marked unavailable",
+            registry=reg,
+        )
+        self.bytes_up = self.bytes.labels("up")
+        self.bytes_down = self.bytes.labels("down")
+
+
+class ReadThroughMetrics:
+    """Single-flight joins and backend -> disk copies (``app.tiers.read_through``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.joins = Counter(
+            "ec_s3_singleflight_joins",
+            "Disk misses that joined an S3 read already in flight instead of starting one.",
+            registry=registry,
+        )
+        self.fills = Counter(
+            "ec_s3_fills",
+            "S3 -> disk copies by outcome (committed, not_found, failed, exists).",
+            ["outcome"],
+            registry=registry,
+        )
+
+
+class UploadQueueMetrics:
+    """The write-back queue's series; the gauges read the queue when scraped."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        depth: Callable[[], float],
+        pending_bytes: Callable[[], float],
+        oldest_age: Callable[[], float],
+    ) -> None:
+        self.registry = registry
+        self.depth = Gauge(
+            "ec_s3_upload_queue_depth",
+            "Entries committed to disk and waiting for their write-back upload to S3.",
+            registry=registry,
+        )
+        self.depth.set_function(depth)
+        self.bytes = Gauge(
+            "ec_s3_upload_queue_bytes",
+            "Bytes of the entries waiting for their write-back upload.",
+            registry=registry,
+        )
+        self.bytes.set_function(pending_bytes)
+        self.oldest = Gauge(
+            "ec_s3_upload_queue_oldest_seconds",
+            "Age of the longest-waiting write-back upload (0 when the queue is empty).",
+            registry=registry,
+        )
+        self.oldest.set_function(oldest_age)
+        self.uploads = Counter(
+            "ec_s3_uploads",
+            "Write-back upload attempts by outcome (ok, retry, dropped).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.full = Counter(
+            "ec_s3_upload_queue_full",
+            "Write-back PUTs done as write-through because the upload queue was full.",
+            registry=registry,
+        )
 
 
 class _S3UpCollector(Collector):

@@ -37,10 +37,11 @@ from typing import Any
 
 import anyio.to_thread
 
+from app.errors import ECError
 from app.keys import DTYPES, EntryKey
+from app.tiers.base import Backend
 from app.tiers.disk import DiskTier, fsync_dir
-from app.tiers.s3 import S3Error
-from app.tiers.s3_tier import S3Tier, _header_from_metadata, http_errors
+from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import UploadQueue
 
 log = logging.getLogger(__name__)
@@ -92,12 +93,14 @@ class Purges:
         self,
         data_dir: Path,
         disk: DiskTier,
-        s3: S3Tier | None,
+        s3: Backend | None,
+        read_through: ReadThrough | None,
         uploads: UploadQueue | None,
     ) -> None:
         self.directory = data_dir / "purges"
         self.disk = disk
         self.s3 = s3
+        self.read_through = read_through
         self.uploads = uploads
         self.jobs: dict[str, PurgeJob] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -210,7 +213,7 @@ class Purges:
                 if job.s3_dtype != dtype:
                     job.s3_dtype, job.s3_after = dtype, None
                 await self._purge_s3_prefix(self.s3, job, dtype)
-            await self._settle_fills(self.s3, job)
+            await self._settle_fills(job)
             self._drop_uploads(job)
             await self._purge_disk(job)  # what a fill in flight committed meanwhile
 
@@ -227,16 +230,16 @@ class Purges:
         job.disk_bytes += nbytes
         job.updated_at = time.time()
 
-    async def _purge_s3_prefix(self, s3: S3Tier, job: PurgeJob, dtype: str) -> None:
-        prefix = EntryKey(job.model, dtype, "x").object_key(s3.objects.prefix)[: -len("x" + SUFFIX)]
+    async def _purge_s3_prefix(self, s3: Backend, job: PurgeJob, dtype: str) -> None:
+        prefix = s3.namespace_prefix(job.model, dtype)
         while True:
-            objects, marker = await s3.objects.list_page(
+            objects, marker = await s3.list_page(
                 prefix, start_after=job.s3_after, limit=PURGE_BATCH
             )
             batch = [(key, size) for key, size in objects if key.endswith(SUFFIX)]
             if self.before_batch is not None:
                 await self.before_batch(job)
-            await s3.objects.delete_many([key for key, _ in batch])
+            await s3.delete_many([key for key, _ in batch])
             job.s3_objects += len(batch)
             job.s3_bytes += sum(size for _, size in batch)
             if objects:
@@ -248,10 +251,12 @@ class Purges:
             if marker is None:
                 return
 
-    async def _settle_fills(self, s3: S3Tier, job: PurgeJob) -> None:
-        for key in s3.filling():
+    async def _settle_fills(self, job: PurgeJob) -> None:
+        if self.read_through is None:
+            return
+        for key in self.read_through.filling():
             if job.covers(key.model, key.dtype):
-                await s3.settle(key)
+                await self.read_through.settle(key)
 
     # -- journal ---------------------------------------------------------------------
 
@@ -299,13 +304,12 @@ async def disk_page(
 
 
 async def s3_page(
-    s3: S3Tier, model: str, dtype: str, after: str | None, limit: int
+    s3: Backend, model: str, dtype: str, after: str | None, limit: int
 ) -> tuple[list[dict[str, Any]], str | None]:
     """A page of the namespace's objects in S3; shapes from each object's metadata."""
-    prefix = EntryKey(model, dtype, "x").object_key(s3.objects.prefix)[: -len("x" + SUFFIX)]
+    prefix = s3.namespace_prefix(model, dtype)
     start_after = f"{prefix}{after}{SUFFIX}" if after else None
-    with http_errors():
-        objects, marker = await s3.objects.list_page(prefix, start_after=start_after, limit=limit)
+    objects, marker = await s3.list_page(prefix, start_after=start_after, limit=limit)
     named = [
         (key[len(prefix) : -len(SUFFIX)], size) for key, size in objects if key.endswith(SUFFIX)
     ]
@@ -313,11 +317,9 @@ async def s3_page(
 
     async def shape(hash_: str) -> tuple[int, ...] | None:
         async with limit_heads:
-            with contextlib.suppress(S3Error, ValueError):
-                key = EntryKey(model, dtype, hash_)
-                info = await s3.objects.head(key.object_key(s3.objects.prefix))
-                header = _header_from_metadata(key, info) if info is not None else None
-                return header.shape if header is not None else None
+            with contextlib.suppress(ECError, ValueError):
+                info = await s3.head(EntryKey(model, dtype, hash_), read_header=False)
+                return info.header.shape if info is not None else None
         return None
 
     shapes = await asyncio.gather(*(shape(h) for h, _ in named))

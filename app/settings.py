@@ -7,7 +7,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.auth import AnonymousAccess
@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     s3_create_bucket: bool = False
     write_mode: WriteMode = WriteMode.WRITE_THROUGH
 
-    # S3 tuning (see app/tiers/s3.py). Credentials come from the standard AWS chain.
+    # S3 tuning (see app/tiers/s3/). Credentials come from the standard AWS chain.
     s3_connect_timeout: float = Field(default=3.0, gt=0)
     s3_read_timeout: float = Field(default=30.0, gt=0)
     s3_max_attempts: int = Field(default=3, ge=1, le=10)
@@ -129,6 +129,14 @@ class Settings(BaseSettings):
     @classmethod
     def _strip_prefix(cls, value: str) -> str:
         return value.strip("/")
+
+    @model_validator(mode="after")
+    def _s3_needs_bucket(self) -> Settings:
+        if self.s3_endpoint_url is not None and not self.s3_bucket:
+            raise ValueError(
+                f"EC_S3_BUCKET must be set when EC_S3_ENDPOINT_URL is set ({self.s3_endpoint_url})"
+            )
+        return self
 
     @property
     def s3_enabled(self) -> bool:

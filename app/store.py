@@ -1,7 +1,10 @@
 """The store: answers entry requests by asking the tiers in order.
 
 Routes talk only to this class. It validates bodies as they stream in, decides which
-tier answers, and keeps slow file work off the event loop.
+tier answers, and keeps slow file work off the event loop. Like bazel-remote's disk
+cache in front of its proxy, the store owns read-through (``app.tiers.read_through``)
+and write-through / write-back (here and ``app.tiers.upload_queue``) and calls the
+backend (``app.tiers.base.Backend``, the S3 backend when configured) for the rest.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from app.metrics import Metrics
 from app.namespaces import Purges
 from app.safetensors_format import BodyValidator, TensorHeader
 from app.settings import Settings, WriteMode
-from app.tiers.base import EntryBody, EntryInfo
+from app.tiers.base import Backend, EntryBody, EntryInfo
 from app.tiers.disk import DiskTier, PendingWrite
-from app.tiers.s3_tier import S3Tier
+from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
 
 #: Received chunks are batched into writes of about this size (one thread hop each).
@@ -46,12 +49,18 @@ class Store:
         settings: Settings,
         disk: DiskTier,
         metrics: Metrics,
-        s3: S3Tier | None = None,
+        s3: Backend | None = None,
     ) -> None:
         self.settings = settings
         self.disk = disk
         self.metrics = metrics
+        #: The backend (S3), and the read-through that fills the disk tier from it.
         self.s3 = s3
+        self.read_through = (
+            ReadThrough(s3, disk, metrics.registry, settings.s3_get_chunk_size)
+            if s3 is not None
+            else None
+        )
         self.uploads: UploadQueue | None = None
         if s3 is not None and settings.write_mode is WriteMode.WRITE_BACK:
             self.uploads = UploadQueue(
@@ -66,13 +75,9 @@ class Store:
                 retry_max=settings.writeback_retry_max,
                 registry=metrics.registry,
             )
-        self.purges = Purges(settings.data_dir, disk, s3, self.uploads)
+        self.purges = Purges(settings.data_dir, disk, s3, self.read_through, self.uploads)
         if s3 is not None:
-            metrics.watch_s3(
-                lambda: (
-                    s3.objects.available and (s3.readiness_state is None or s3.readiness_state.ok)
-                )
-            )
+            metrics.watch_s3(lambda: s3.up)
 
     async def start(self) -> None:
         # Running purges guard their namespaces before any request is answered.
@@ -92,6 +97,8 @@ class Store:
         await self.purges.stop()
         if self.uploads is not None:
             await self.uploads.stop(self.settings.writeback_drain_timeout)
+        if self.read_through is not None:
+            self.read_through.stop()
         if self.s3 is not None:
             await self.s3.stop()
 
@@ -108,37 +115,23 @@ class Store:
             self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key} (its namespace is being purged)")
         body = await self._open_disk(key)
-        if body is None and self.s3 is not None:
-            # No await between the disk miss and joining/starting the S3 fill: a fill
+        if body is None and self.read_through is not None:
+            # No await between the disk miss and joining/starting the fill: a fill
             # that just committed is seen on disk, one in flight is joined.
-            body = await self._get_from_s3(self.s3, key)
+            body = await self.read_through.get(key)
         if body is None:
             self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key}")
         self.metrics.lookup(key.model, key.dtype, body.info.tier)
         return body
 
-    async def _get_from_s3(self, s3: S3Tier, key: EntryKey) -> EntryBody | None:
-        """Read through S3 (single-flight, see ``app.tiers.s3_tier``)."""
-        fill = s3.fill(key)
-        try:
-            # Shielded: a client that leaves does not cancel the fill others share.
-            info = await asyncio.shield(fill.ready)
-        except BaseException:
-            fill.detach()
-            raise
-        if info is None:
-            fill.detach()
-            return None
-        return EntryBody(info, chunks=fill.stream(self.settings.s3_get_chunk_size))
-
     async def head(self, key: EntryKey) -> EntryInfo:
         info = None if self.purges.blocks(key) else self.disk.info(key)
         if info is None and not self.purges.blocks(key):
             body = await self._open_disk(key)
             info = body.info if body is not None else None
-        if info is None and self.s3 is not None and not self.purges.blocks(key):
-            info = await self.s3.head(key)  # object metadata: never the body
+        if info is None and self.read_through is not None and not self.purges.blocks(key):
+            info = await self.read_through.head(key)  # object metadata: never the body
         if info is None:
             self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key}")
@@ -150,7 +143,7 @@ class Store:
             return False
         if self.disk.contains(key):
             return True
-        return self.s3 is not None and await self.s3.exists(key)
+        return self.s3 is not None and await self.s3.contains(key)
 
     async def exists_many(self, model: str, dtype: str, hashes: Sequence[str]) -> list[bool]:
         """Presence of many validated hashes of one model and dtype, in order. Keys are
@@ -165,7 +158,7 @@ class Store:
 
         async def check(key: EntryKey) -> bool:
             async with limit:
-                return await s3.exists(key)
+                return await s3.contains(key)
 
         missing = [index for index, found in enumerate(present) if not found]
         answers = await asyncio.gather(
@@ -234,9 +227,9 @@ class Store:
                 info = body.info
                 if body.buffer is not None:
                     body.buffer.release()
-        if info is None and self.s3 is not None:
+        if info is None and self.read_through is not None:
             with contextlib.suppress(ECError):  # S3 gone since: no better answer
-                info = await self.s3.head(key)
+                info = await self.read_through.head(key)
         return info
 
     async def _commit(
@@ -254,12 +247,12 @@ class Store:
         return await self._commit_write_through(self.s3, key, pending, crc, header)
 
     async def _commit_write_through(
-        self, s3: S3Tier, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
+        self, s3: Backend, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
     ) -> bool:
         """201 only once S3 has the object; on any S3 failure nothing is stored."""
-        if await s3.exists(key):
+        if await s3.contains(key):
             return False  # another replica wrote it first: theirs is the entry
-        await s3.upload(key, pending.path, crc, header)
+        await s3.put_file(key, pending.path, crc, header)
         return await anyio.to_thread.run_sync(pending.commit, crc, header)
 
     async def _commit_write_back(
@@ -303,16 +296,16 @@ class Store:
         finally:
             view.close()
         assert header is not None
-        if await self.s3.exists(item.key):
+        if await self.s3.contains(item.key):
             return  # first writer wins: another replica uploaded it already
-        await self.s3.upload(item.key, path, crc, header)
+        await self.s3.put_file(item.key, path, crc, header)
 
     async def delete(self, key: EntryKey) -> None:
         """Remove from every tier (and from the write-back queue)."""
         if self.uploads is not None:
             self.uploads.discard(key)
-        if self.s3 is not None:
-            await self.s3.settle(key)
+        if self.read_through is not None:
+            await self.read_through.settle(key)
         await anyio.to_thread.run_sync(self.disk.delete, key)
         if self.s3 is not None:
             await self.s3.delete(key)
@@ -334,8 +327,8 @@ class Store:
             "write_mode": self.settings.write_mode.value,
             "s3_configured": self.settings.s3_enabled,
         }
-        if self.s3 is not None:
-            result["s3"] = dict(self.s3.describe())
+        if self.s3 is not None and self.read_through is not None:
+            result["s3"] = {**self.s3.describe(), **self.read_through.describe()}
         if self.uploads is not None:
             result["upload_queue"] = {
                 "entries": len(self.uploads),

@@ -1,11 +1,24 @@
-"""What every tier hands back to the store: an entry's description and its body."""
+"""The tiers' vocabulary: what the store hands out (an entry's description and body) and
+the one interface between the store and a remote backend.
+
+:class:`Backend` plays the part of bazel-remote's ``cache.Proxy``: the local side (the
+store with its disk tier and ``read_through``) owns read-through and write-through and
+calls the backend; the backend stores and returns entries and knows nothing of the disk.
+Every method speaks entries (:class:`~app.keys.EntryKey`), never object keys, and raises
+only the server's errors (:class:`~app.errors.ECError`: 503 ``unavailable`` when the
+answer is unknown, 502 otherwise).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
 
 from app import checksum
+from app.keys import EntryKey
 from app.safetensors_format import TensorHeader
 
 
@@ -47,3 +60,95 @@ class EntryBody:
         """Release a stream that will not be (fully) sent."""
         if self.chunks is not None:
             await self.chunks.aclose()
+
+
+@dataclass(frozen=True)
+class RemoteInfo:
+    """What a backend knows of an entry without reading its body."""
+
+    size: int
+    #: None: the backend holds no usable checksum; only a full read can tell it.
+    crc32c: int | None
+    header: TensorHeader
+
+
+class RemoteBody(Protocol):
+    """An open read of a backend entry: size (and CRC32C, when stored) known, body in
+    chunks. Chunks raise ``ECError`` when the read breaks; ``aclose`` always."""
+
+    size: int
+    crc32c: int | None
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> RemoteBody: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+class Backend(Protocol):
+    """Remote persistence behind the disk tier (bazel-remote's ``cache.Proxy``)."""
+
+    #: The ``X-EC-Tier`` of what it serves, and the label of its metrics (``s3``).
+    name: str
+
+    # -- entries -------------------------------------------------------------------
+    async def head(self, key: EntryKey, *, read_header: bool = True) -> RemoteInfo | None:
+        """Describe an entry without its body (None: absent). ``read_header`` False:
+        from stored metadata only (None as well when that does not describe it)."""
+        ...
+
+    async def open(self, key: EntryKey) -> RemoteBody | None:
+        """Start reading an entry's body (None: absent)."""
+        ...
+
+    async def contains(self, key: EntryKey) -> bool: ...
+
+    async def put_file(
+        self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
+    ) -> None:
+        """Store a verified local file as the entry; nothing is visible on failure."""
+        ...
+
+    async def delete(self, key: EntryKey) -> None:
+        """Remove an entry; absent entries are fine."""
+        ...
+
+    # -- namespaces (listing and purge, by the backend's own names and cursors) -----
+    def namespace_prefix(self, model: str, dtype: str) -> str:
+        """The name prefix shared by the entries of one namespace."""
+        ...
+
+    async def list_page(
+        self, prefix: str, *, start_after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int]], str | None]:
+        """(name, size) of up to ``limit`` entries under ``prefix`` after
+        ``start_after``, and the ``start_after`` of the next page (None at the end)."""
+        ...
+
+    async def delete_many(self, names: Sequence[str]) -> None: ...
+
+    # -- life cycle ----------------------------------------------------------------
+    @property
+    def up(self) -> bool:
+        """Reachable as far as is known (for the ``ec_s3_up`` gauge)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def readiness(self) -> str:
+        """ "ok" or what an operator has to fix."""
+        ...
+
+    def describe(self) -> Mapping[str, object]:
+        """A JSON summary for ``/stats``."""
+        ...

@@ -33,10 +33,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from app.errors import InvalidKey
 from app.keys import EntryKey
+from app.metrics import UploadQueueMetrics
 from app.tiers.disk import DiskTier, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -81,40 +82,6 @@ UploadFn = Callable[[PendingUpload], Awaitable[None]]
 DeleteFn = Callable[[EntryKey], Awaitable[None]]
 
 
-class UploadQueueMetrics:
-    def __init__(self, registry: CollectorRegistry, queue: UploadQueue) -> None:
-        self.registry = registry
-        self.depth = Gauge(
-            "ec_s3_upload_queue_depth",
-            "Entries committed to disk and waiting for their write-back upload to S3.",
-            registry=registry,
-        )
-        self.depth.set_function(lambda: len(queue))
-        self.bytes = Gauge(
-            "ec_s3_upload_queue_bytes",
-            "Bytes of the entries waiting for their write-back upload.",
-            registry=registry,
-        )
-        self.bytes.set_function(lambda: queue.pending_bytes)
-        self.oldest = Gauge(
-            "ec_s3_upload_queue_oldest_seconds",
-            "Age of the longest-waiting write-back upload (0 when the queue is empty).",
-            registry=registry,
-        )
-        self.oldest.set_function(queue.oldest_age)
-        self.uploads = Counter(
-            "ec_s3_uploads",
-            "Write-back upload attempts by outcome (ok, retry, dropped).",
-            ["outcome"],
-            registry=registry,
-        )
-        self.full = Counter(
-            "ec_s3_upload_queue_full",
-            "Write-back PUTs done as write-through because the upload queue was full.",
-            registry=registry,
-        )
-
-
 class UploadQueue:
     """See the module docstring. ``load`` before the disk index is rebuilt (so pending
     entries are pinned before anything is evicted), ``reconcile`` after it."""
@@ -148,7 +115,12 @@ class UploadQueue:
         self._idle: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_log = -math.inf
-        self.metrics = UploadQueueMetrics(registry, self)
+        self.metrics = UploadQueueMetrics(
+            registry,
+            depth=lambda: len(self),
+            pending_bytes=lambda: self.pending_bytes,
+            oldest_age=self.oldest_age,
+        )
 
     def __len__(self) -> int:
         return len(self._items)
@@ -226,6 +198,7 @@ class UploadQueue:
                 len(self._items),
                 drain_timeout,
             )
+            self._retry_backing_off()  # a drain tries every upload now, not after its back-off
             if not await self.wait_idle(drain_timeout):
                 log.warning(
                     "upload queue: %d uploads still pending at shutdown; they stay in %s "
@@ -420,7 +393,10 @@ class UploadQueue:
             with contextlib.suppress(Exception):
                 await self._delete(item.key)
         self._forget(item)
-        # S3 works: let everything that was backing off go now.
+        self._retry_backing_off()  # S3 works: let everything that was backing off go now
+
+    def _retry_backing_off(self) -> None:
+        """Make every upload that failed before and waits for its retry due now."""
         now = time.monotonic()
         retry = False
         for other in self._items.values():

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app.tiers.s3 import ObjectStore, S3Config
+from app.settings import Settings
+from app.tiers.s3.client import S3Client
 from tests.s3.harness import (
     TEST_ACCESS_KEY,
     TEST_SECRET_KEY,
@@ -119,37 +119,47 @@ def counting_proxy(s3_endpoint: S3Endpoint) -> Iterator[CountingProxy]:
         proxy.close()
 
 
-def base_config(endpoint: S3Endpoint, prefix: str) -> S3Config:
-    return S3Config(
-        bucket=endpoint.bucket,
-        endpoint_url=endpoint.endpoint_url,
-        prefix=prefix,
-        region=endpoint.region,
-        access_key_id=endpoint.access_key,
-        secret_access_key=endpoint.secret_key,
-        connect_timeout=2.0,
-        read_timeout=20.0,
-        max_attempts=2,
-        max_pool_connections=8,
-        multipart_threshold=8 * MiB,
-        multipart_part_size=5 * MiB,
-        multipart_concurrency=3,
-        get_chunk_size=1 * MiB,
-        unavailable_cooldown=0.5,
-    )
+def base_settings(endpoint: S3Endpoint, prefix: str) -> dict[str, Any]:
+    """``Settings`` fields of a client on the test endpoint (small parts and chunks)."""
+    return {
+        "s3_bucket": endpoint.bucket,
+        "s3_endpoint_url": endpoint.endpoint_url,
+        "s3_prefix": prefix,
+        "s3_region": endpoint.region,
+        "s3_connect_timeout": 2.0,
+        "s3_read_timeout": 20.0,
+        "s3_max_attempts": 2,
+        "s3_max_pool_connections": 8,
+        "s3_multipart_threshold": 8 * MiB,
+        "s3_multipart_part_size": 5 * MiB,
+        "s3_multipart_concurrency": 3,
+        "s3_get_chunk_size": 1 * MiB,
+        "s3_unavailable_cooldown": 0.5,
+    }
 
 
-StoreFactory = Callable[..., ObjectStore]
+StoreFactory = Callable[..., S3Client]
 
 
 @pytest.fixture
 def make_store(s3_endpoint: S3Endpoint, s3_prefix: str) -> Iterator[StoreFactory]:
-    """Build ObjectStores on the test endpoint; ``make_store(bucket=..., ...)`` overrides
-    any :class:`S3Config` field. All are closed afterwards."""
-    stores: list[ObjectStore] = []
+    """Build S3Clients on the test endpoint; ``make_store(s3_bucket=..., ...)`` overrides
+    any :class:`~app.settings.Settings` field, ``access_key_id`` / ``secret_access_key``
+    the test credentials. All are closed afterwards."""
+    stores: list[S3Client] = []
 
-    def factory(**overrides: Any) -> ObjectStore:
-        store = ObjectStore(replace(base_config(s3_endpoint, s3_prefix), **overrides))
+    def factory(
+        *,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        **overrides: Any,
+    ) -> S3Client:
+        settings = Settings(**{**base_settings(s3_endpoint, s3_prefix), **overrides})
+        store = S3Client(
+            settings,
+            access_key_id=access_key_id or s3_endpoint.access_key,
+            secret_access_key=secret_access_key or s3_endpoint.secret_key,
+        )
         stores.append(store)
         return store
 

@@ -1,4 +1,5 @@
-"""The S3 tier's ObjectStore against a real S3 endpoint (SeaweedFS or EC_TEST_S3_*)."""
+"""The S3 backend's client, transfers and readiness against a real S3 endpoint (SeaweedFS
+or EC_TEST_S3_*)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,11 @@ from pathlib import Path
 import pytest
 
 from app.checksum import crc32c as crc
-from app.tiers.s3 import (
-    METADATA_CRC_KEY,
-    S3Error,
-    S3Unavailable,
-    crc32c_combine,
-    crc32c_from_b64,
-    crc32c_to_b64,
-)
+from app.keys import EntryKey
+from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_to_b64
+from app.tiers.s3.errors import S3Error, S3Unavailable
+from app.tiers.s3.readiness import check_ready, ensure_bucket
+from app.tiers.s3.transfers import put_bytes, put_file
 from tests.s3.conftest import MiB, S3Control, StoreFactory
 from tests.s3.harness import CountingProxy, S3Endpoint, free_ports
 
@@ -32,26 +30,17 @@ def sample(size: int, seed: int = 0) -> bytes:
 # ------------------------------------------------------------------ pure helpers
 
 
-def test_crc32c_combine_matches_whole_crc() -> None:
-    data = os.urandom(3 * 1024 * 1024 + 17)
-    for cut in (0, 1, 5, 1024 * 1024, len(data) - 1, len(data)):
-        a, b = data[:cut], data[cut:]
-        assert crc32c_combine(crc(a), crc(b), len(b)) == crc(data)
-
-
-def test_crc32c_base64_round_trip() -> None:
-    for value in (0, 1, 0xDEADBEEF, 0xFFFFFFFF):
-        assert crc32c_from_b64(crc32c_to_b64(value)) == value
-    assert crc32c_from_b64("not base64!") is None
+def key_for(store: S3Client, model: str, dtype: str, hash_: str) -> str:
+    return EntryKey(model, dtype, hash_).object_key(store.prefix)
 
 
 async def test_key_layout(make_store: StoreFactory, s3_prefix: str) -> None:
     store = make_store()
     assert (
-        store.key_for("Qwen/Qwen2.5-VL-7B-Instruct", "bfloat16", "ab:12")
+        key_for(store, "Qwen/Qwen2.5-VL-7B-Instruct", "bfloat16", "ab:12")
         == f"{s3_prefix}/Qwen/Qwen2.5-VL-7B-Instruct/bfloat16/ab:12.safetensors"
     )
-    assert make_store(prefix="").key_for("m", "int8", "h") == "m/int8/h.safetensors"
+    assert key_for(make_store(s3_prefix=""), "m", "int8", "h") == "m/int8/h.safetensors"
 
 
 # ------------------------------------------------------------------ round trips
@@ -65,8 +54,8 @@ async def test_put_head_get_round_trip(
 ) -> None:
     store = make_store()
     data = sample(300_000)
-    key = store.key_for("org/model@rev", "float16", "a" * 64)
-    await store.put_file(key, tmp_file(data), crc32c=crc(data))
+    key = key_for(store, "org/model@rev", "float16", "a" * 64)
+    await put_file(store, key, tmp_file(data), crc32c=crc(data))
 
     info = await store.head(key)
     assert info is not None
@@ -84,10 +73,10 @@ async def test_put_head_get_round_trip(
 
 
 async def test_get_streams_in_chunks(make_store: StoreFactory) -> None:
-    store = make_store(get_chunk_size=256 * 1024)
+    store = make_store(s3_get_chunk_size=256 * 1024)
     data = sample(1_000_000)
-    key = store.key_for("m", "uint8", "stream")
-    await store.put_bytes(key, data, crc32c=crc(data))
+    key = key_for(store, "m", "uint8", "stream")
+    await put_bytes(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
     async with download:
@@ -104,10 +93,10 @@ async def test_multipart_above_threshold(
     tmp_file: Callable[[bytes], Path],
 ) -> None:
     # 20 MB with an 8 MiB threshold and 5 MiB parts: 4 parts, each with its own CRC32C.
-    store = make_store(endpoint_url=counting_proxy.url)
+    store = make_store(s3_endpoint_url=counting_proxy.url)
     data = sample(20_000_000, seed=1)
-    key = store.key_for("m", "bfloat16", "multipart")
-    await store.put_file(key, tmp_file(data), crc32c=crc(data))
+    key = key_for(store, "m", "bfloat16", "multipart")
+    await put_file(store, key, tmp_file(data), crc32c=crc(data))
 
     parts = [path for method, path in counting_proxy.snapshot() if method == "PUT"]
     assert len(parts) == 4 and all("partNumber=" in path for path in parts)
@@ -123,9 +112,9 @@ async def test_single_put_with_wrong_crc_is_refused_by_s3(
 ) -> None:
     store = make_store()
     data = sample(100_000)
-    key = store.key_for("m", "float32", "badcrc")
+    key = key_for(store, "m", "float32", "badcrc")
     with pytest.raises(S3Error) as caught:
-        await store.put_file(key, tmp_file(data), crc32c=crc(data) ^ 1)
+        await put_file(store, key, tmp_file(data), crc32c=crc(data) ^ 1)
     assert not isinstance(caught.value, S3Unavailable)
     assert caught.value.status == 400 or caught.value.code in ("BadDigest", "InvalidRequest")
     assert await store.head(key) is None
@@ -136,9 +125,9 @@ async def test_multipart_with_wrong_crc_leaves_nothing(
 ) -> None:
     store = make_store()
     data = sample(12 * MiB, seed=2)
-    key = store.key_for("m", "float32", "badcrc-multipart")
+    key = key_for(store, "m", "float32", "badcrc-multipart")
     with pytest.raises(S3Error, match="checksum mismatch"):
-        await store.put_file(key, tmp_file(data), crc32c=crc(data) ^ 0x100)
+        await put_file(store, key, tmp_file(data), crc32c=crc(data) ^ 0x100)
     assert await store.head(key) is None
     assert s3_endpoint.list_uploads(key) == []  # aborted
 
@@ -146,8 +135,8 @@ async def test_multipart_with_wrong_crc_leaves_nothing(
 async def test_delete_and_missing_keys(make_store: StoreFactory) -> None:
     store = make_store()
     data = sample(1000)
-    key = store.key_for("m", "int8", "gone")
-    await store.put_bytes(key, data, crc32c=crc(data))
+    key = key_for(store, "m", "int8", "gone")
+    await put_bytes(store, key, data, crc32c=crc(data))
     assert await store.head(key) is not None
     await store.delete(key)
     assert await store.head(key) is None
@@ -159,10 +148,10 @@ async def test_delete_and_missing_keys(make_store: StoreFactory) -> None:
 async def test_metrics_count_requests_and_bytes(make_store: StoreFactory) -> None:
     store = make_store()
     data = sample(50_000)
-    key = store.key_for("m", "int8", "metrics")
-    await store.put_bytes(key, data, crc32c=crc(data))
+    key = key_for(store, "m", "int8", "metrics")
+    await put_bytes(store, key, data, crc32c=crc(data))
     await store.get_bytes(key)
-    await store.head(store.key_for("m", "int8", "absent"))
+    await store.head(key_for(store, "m", "int8", "absent"))
     reg = store.metrics.registry
 
     def value(name: str, **labels: str) -> float:
@@ -180,38 +169,38 @@ async def test_metrics_count_requests_and_bytes(make_store: StoreFactory) -> Non
 
 
 async def test_ready_when_all_is_well(make_store: StoreFactory) -> None:
-    state = await make_store().check_ready()
+    state = await check_ready(make_store())
     assert state.ok and state.state == "ok", state
 
 
 async def test_wrong_secret_key_is_a_credentials_problem(make_store: StoreFactory) -> None:
     store = make_store(secret_access_key="definitely-wrong-secret")
-    state = await store.check_ready()
+    state = await check_ready(store)
     assert not state.ok and state.state == "credentials", state
     assert "credentials" in state.reason
     with pytest.raises(S3Error) as caught:
-        await store.head(store.key_for("m", "int8", "x"))
+        await store.head(key_for(store, "m", "int8", "x"))
     assert not isinstance(caught.value, S3Unavailable)
 
 
 async def test_unknown_access_key_is_a_credentials_problem(make_store: StoreFactory) -> None:
-    state = await make_store(access_key_id="NOSUCHKEY0000000", secret_access_key="x").check_ready()
+    state = await check_ready(make_store(access_key_id="NOSUCHKEY0000000", secret_access_key="x"))
     assert not state.ok and state.state == "credentials", state
 
 
 async def test_missing_bucket(make_store: StoreFactory, s3_endpoint: S3Endpoint) -> None:
     name = f"ec-missing-{uuid.uuid4().hex[:10]}"
-    store = make_store(bucket=name)
-    state = await store.check_ready()
+    store = make_store(s3_bucket=name)
+    state = await check_ready(store)
     assert not state.ok and state.state == "no_bucket", state
     assert name in state.reason and "EC_S3_CREATE_BUCKET" in state.reason
-    assert await store.ensure_bucket() is False
+    assert await ensure_bucket(store) is False
 
-    creating = make_store(bucket=name, create_bucket=True)
+    creating = make_store(s3_bucket=name, s3_create_bucket=True)
     try:
-        assert await creating.ensure_bucket() is True
-        assert (await creating.check_ready()).ok
-        assert await creating.ensure_bucket() is True  # idempotent
+        assert await ensure_bucket(creating) is True
+        assert (await check_ready(creating)).ok
+        assert await ensure_bucket(creating) is True  # idempotent
     finally:
         s3_endpoint.client().delete_bucket(Bucket=name)
 
@@ -221,46 +210,46 @@ async def test_missing_bucket(make_store: StoreFactory, s3_endpoint: S3Endpoint)
 
 async def test_nothing_listening_is_unavailable(make_store: StoreFactory) -> None:
     (port,) = free_ports(1)
-    store = make_store(endpoint_url=f"http://127.0.0.1:{port}", unavailable_cooldown=30)
+    store = make_store(s3_endpoint_url=f"http://127.0.0.1:{port}", s3_unavailable_cooldown=30)
     started = time.monotonic()
     with pytest.raises(S3Unavailable):
-        await store.head(store.key_for("m", "int8", "x"))
+        await store.head(key_for(store, "m", "int8", "x"))
     # The breaker is open now: the next call fails at once, without a connection attempt.
     with pytest.raises(S3Unavailable, match="marked unavailable"):
-        await store.open(store.key_for("m", "int8", "x"))
+        await store.open(key_for(store, "m", "int8", "x"))
     assert time.monotonic() - started < 10
     assert store.retry_after() > 1
-    state = await store.check_ready()
+    state = await check_ready(store)
     assert not state.ok and state.state == "unreachable", state
 
 
 async def test_s3_stopped_then_restarted(make_store: StoreFactory, s3_control: S3Control) -> None:
-    store = make_store(unavailable_cooldown=0.2)
+    store = make_store(s3_unavailable_cooldown=0.2)
     data = sample(10_000)
-    key = store.key_for("m", "int8", "outage")
-    await store.put_bytes(key, data, crc32c=crc(data))
+    key = key_for(store, "m", "int8", "outage")
+    await put_bytes(store, key, data, crc32c=crc(data))
 
     s3_control.stop()
     with pytest.raises(S3Unavailable):
         await store.head(key)
     with pytest.raises(S3Unavailable):
-        await store.put_bytes(key + "2", data, crc32c=crc(data))
-    state = await store.check_ready()
+        await put_bytes(store, key + "2", data, crc32c=crc(data))
+    state = await check_ready(store)
     assert not state.ok and state.state == "unreachable", state
 
     s3_control.start()
     time.sleep(0.3)  # past the cooldown: the next call probes again
-    assert (await store.check_ready()).ok
+    assert (await check_ready(store)).ok
     assert await store.get_bytes(key) == data
 
 
 async def test_connection_cut_mid_body_is_unavailable(
     make_store: StoreFactory, counting_proxy: CountingProxy
 ) -> None:
-    store = make_store(endpoint_url=counting_proxy.url, get_chunk_size=64 * 1024)
+    store = make_store(s3_endpoint_url=counting_proxy.url, s3_get_chunk_size=64 * 1024)
     data = sample(8 * MiB, seed=3)
-    key = store.key_for("m", "uint8", "cut")
-    await store.put_bytes(key, data, crc32c=crc(data))
+    key = key_for(store, "m", "uint8", "cut")
+    await put_bytes(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
     with pytest.raises(S3Unavailable):

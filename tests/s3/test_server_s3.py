@@ -350,13 +350,27 @@ def test_write_back_drains_at_shutdown(
     s3_prefix: str,
 ) -> None:
     counting_proxy.down = True
-    srv = make_server("a", endpoint_url=counting_proxy.url, write_mode="write-back")
+    # The failed upload's next retry is far off, so only the drain can send it.
+    srv = make_server(
+        "a",
+        endpoint_url=counting_proxy.url,
+        write_mode="write-back",
+        writeback_retry_min="60",
+        writeback_retry_max="60",
+        s3_unavailable_cooldown="0.1",
+    )
     a = client_for(srv)
     data = entry(300, seed=16)
     assert put(a, "drain", data).status_code == 201
     assert metric(a, "ec_s3_upload_queue_depth") == 1
     assert metric(a, "ec_s3_upload_queue_oldest_seconds") > 0
+    wait_for(
+        lambda: metric(a, "ec_s3_uploads_total", outcome="retry") >= 1,
+        30,
+        "the first upload attempt to fail",
+    )
     counting_proxy.down = False
+    time.sleep(0.2)  # past the S3 cool-down, or the drain's attempt fails fast
     srv.stop()  # SIGTERM: the pending upload gets EC_WRITEBACK_DRAIN_TIMEOUT to finish
     assert s3_endpoint.list_keys(s3_prefix + "/") == [
         f"{s3_prefix}/{MODEL}/float16/drain.safetensors"

@@ -48,10 +48,23 @@ def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EC_DISK_MAX_BYTES", "2GiB")
     monkeypatch.setenv("EC_WRITE_MODE", "write-back")
     monkeypatch.setenv("EC_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("EC_S3_BUCKET", "ec")
     settings = Settings()
     assert settings.disk_max_bytes == 2 << 30
     assert settings.write_mode is WriteMode.WRITE_BACK
     assert settings.s3_enabled
+
+
+def test_s3_endpoint_needs_a_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("EC_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("EC_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    with pytest.raises(ValidationError, match="EC_S3_BUCKET must be set"):
+        Settings()
+    monkeypatch.setenv("EC_S3_BUCKET", "")  # empty is unset
+    with pytest.raises(ValidationError, match="EC_S3_BUCKET must be set"):
+        Settings()
 
 
 def test_bad_value_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,311 @@
+"""Read-through: disk misses filled from the backend, one copy per key (single-flight).
+
+The disk side owns read-through, as bazel-remote's disk cache does with its proxy: this
+module asks the :class:`~app.tiers.base.Backend` for entries and writes them into the
+disk tier through its public API (``begin_write`` / ``PendingWrite``); the backend knows
+nothing of the disk.
+
+The first request that misses a key starts one :class:`Fill`: a background task that
+streams the backend's body into a disk-tier temp file, validating it (safetensors
+header, length, CRC32C against the stored ``ec-crc32c``) and committing it to the disk
+tier only when everything matches. Every request for that key while the fill runs — the
+one that started it and any that join — *tails the temp file*: it gets the response
+headers as soon as the safetensors header has arrived and then the bytes as they land
+on disk, at its own pace. So N concurrent misses make exactly one backend GET, nobody
+waits for the whole object before the first byte, no request holds the body in memory,
+and a slow or vanished client neither slows nor stops the fill (the disk tier is filled
+anyway). The last chunk is only released after the fill verified the CRC32C: a corrupt
+object aborts every response instead of completing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any, BinaryIO
+
+import anyio.to_thread
+from prometheus_client import CollectorRegistry
+
+from app.checksum import to_hex
+from app.errors import (
+    BackendError,
+    ChecksumMismatch,
+    ECError,
+    InvalidBackendObject,
+    Unavailable,
+)
+from app.keys import EntryKey
+from app.metrics import ReadThroughMetrics
+from app.safetensors_format import BodyValidator
+from app.tiers.base import Backend, EntryBody, EntryInfo
+from app.tiers.disk import DiskTier, PendingWrite
+
+log = logging.getLogger(__name__)
+
+
+class Fill:
+    """One backend -> disk copy of an entry, shared by every request that missed on it."""
+
+    def __init__(self, owner: ReadThrough, key: EntryKey) -> None:
+        self.owner = owner
+        self.key = key
+        loop = asyncio.get_running_loop()
+        #: The entry's description once its header arrived; None when the backend has
+        #: no such entry.
+        self.ready: asyncio.Future[EntryInfo | None] = loop.create_future()
+        #: Set once the whole body passed its length and CRC32C checks; readers release
+        #: the last bytes on it, without waiting for the disk commit's fsyncs.
+        self.verified: asyncio.Future[None] = loop.create_future()
+        #: True once the body was verified (and committed to disk when it fits there).
+        self.finished: asyncio.Future[bool] = loop.create_future()
+        self.size = 0
+        self._written = 0
+        self._changed = asyncio.Event()
+        # Read side of the temp file, shared by the readers (pread: no shared offset). It
+        # outlives the rename at commit; closed when the fill is over and no reader is
+        # left, or by garbage collection for a reader that was never iterated.
+        self._reader_file: BinaryIO | None = None
+        self._readers = 0
+        self._task: asyncio.Task[None] | None = None
+        # Futures nobody awaits (e.g. every client left) must not log "never retrieved".
+        self.ready.add_done_callback(_consume)
+        self.verified.add_done_callback(_consume)
+        self.finished.add_done_callback(_consume)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"fill {self.key}")
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # -- the copy ------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _fail(self, exc: BaseException) -> None:
+        for future in (self.ready, self.verified, self.finished):
+            if not future.done():
+                future.set_exception(exc)
+        self._notify()
+
+    async def _run(self) -> None:
+        owner = self.owner
+        tier = owner.backend.name
+        what = tier.upper()
+        fills = owner.metrics.fills
+        pending: PendingWrite | None = None
+        validator: BodyValidator | None = None
+        expected: int | None = None
+        try:
+            remote = await owner.backend.open(self.key)
+            if remote is None:
+                fills.labels("not_found").inc()
+                self.ready.set_result(None)
+                self.finished.set_result(False)
+                return
+            async with remote:
+                self.size = remote.size
+                expected = remote.crc32c
+                pending = await anyio.to_thread.run_sync(
+                    owner.disk.begin_write, self.key, remote.size
+                )
+                self._reader_file = open(pending.path, "rb", buffering=0)  # noqa: SIM115
+                validator = BodyValidator(
+                    self.key.dtype,
+                    max_bytes=max(remote.size, 1),
+                    expected_crc=remote.crc32c,
+                    declared_length=remote.size,
+                )
+                async for chunk in remote.chunks():
+                    validator.feed(chunk)
+                    await anyio.to_thread.run_sync(pending.write, [chunk])
+                    self._written += len(chunk)
+                    if (
+                        not self.ready.done()
+                        and validator.header is not None
+                        and remote.crc32c is not None
+                    ):
+                        self.ready.set_result(
+                            EntryInfo(remote.size, remote.crc32c, validator.header, tier)
+                        )
+                    self._notify()
+                header = validator.finish()  # length and CRC32C
+                self.verified.set_result(None)
+                self._notify()
+            created = await anyio.to_thread.run_sync(pending.commit, validator.crc, header)
+            fills.labels("committed" if created else "exists").inc()
+            if not self.ready.done():  # no CRC in the object's metadata: known only now
+                self.ready.set_result(EntryInfo(self.size, validator.crc, header, tier))
+            self.finished.set_result(True)
+            self._notify()
+        except asyncio.CancelledError:
+            self._fail(Unavailable(f"the {what} read was cancelled (server shutting down)"))
+            raise
+        except ECError as exc:
+            fills.labels("failed").inc()
+            if exc.status_code < 500 and not isinstance(exc, Unavailable):
+                if isinstance(exc, ChecksumMismatch) and validator is not None:
+                    why = (
+                        f"its body has CRC32C {to_hex(validator.crc)} but its "
+                        f"ec-crc32c metadata says {to_hex(expected or 0)}"
+                    )
+                else:
+                    why = exc.message
+                log.error(
+                    "%s object for %s is not a valid entry (not cached): %s", what, self.key, why
+                )
+                exc = InvalidBackendObject(
+                    f"{what} object for {self.key} is not a valid entry: {why}"
+                )
+            self._fail(exc)
+        except Exception as exc:
+            log.exception("%s fill of %s failed", what, self.key)
+            fills.labels("failed").inc()
+            self._fail(BackendError(f"{what} tier failed: {type(exc).__name__}: {exc}"))
+        finally:
+            if pending is not None:
+                with contextlib.suppress(OSError):
+                    pending.abort()
+            owner._fill_done(self)
+            self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if self._readers <= 0 and self.finished.done() and self._reader_file is not None:
+            self._reader_file.close()
+            self._reader_file = None
+
+    def _failure(self) -> BaseException | None:
+        if self.finished.done() and not self.finished.cancelled():
+            return self.finished.exception()
+        return None
+
+    # -- readers ---------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Register a reader; call synchronously when the fill is found or created."""
+        self._readers += 1
+
+    def detach(self) -> None:
+        self._readers -= 1
+        self._maybe_close()
+
+    async def stream(self, chunk_size: int) -> AsyncGenerator[bytes, None]:
+        """The body as it lands on disk. Call after ``ready`` gave an entry; ``detach``
+        happens when the iterator ends or is closed."""
+        try:
+            size = self.size
+            offset = 0
+            while offset < size:
+                while self._written <= offset and (failure := self._failure()) is None:
+                    await self._changed.wait()
+                if (failure := self._failure()) is not None:
+                    raise failure
+                end = min(self._written, offset + chunk_size)
+                if end == size:
+                    # Release the last bytes only once the whole body is verified.
+                    await asyncio.shield(self.verified)
+                reader = self._reader_file
+                assert reader is not None
+                data = await anyio.to_thread.run_sync(
+                    os.pread, reader.fileno(), end - offset, offset
+                )
+                if not data:
+                    raise InvalidBackendObject(
+                        f"{self.owner.backend.name.upper()} copy of {self.key} ended early"
+                    )
+                offset += len(data)
+                yield data
+        finally:
+            self.detach()
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class ReadThrough:
+    """The backend as the store reads it: through the disk tier; see the module
+    docstring."""
+
+    def __init__(
+        self, backend: Backend, disk: DiskTier, registry: CollectorRegistry, chunk_size: int
+    ) -> None:
+        self.backend = backend
+        self.disk = disk
+        self.chunk_size = chunk_size
+        self.metrics = ReadThroughMetrics(registry)
+        self._fills: dict[str, Fill] = {}
+
+    async def get(self, key: EntryKey) -> EntryBody | None:
+        """The entry, streamed while it fills the disk tier; None when absent. Joins or
+        starts the fill before its first await, so a caller that just missed on disk
+        either sees a fill that committed meanwhile on disk or joins the one in flight."""
+        fill = self.fill(key)
+        try:
+            # Shielded: a client that leaves does not cancel the fill others share.
+            info = await asyncio.shield(fill.ready)
+        except BaseException:
+            fill.detach()
+            raise
+        if info is None:
+            fill.detach()
+            return None
+        return EntryBody(info, chunks=fill.stream(self.chunk_size))
+
+    async def head(self, key: EntryKey) -> EntryInfo | None:
+        """Describe the entry from the backend, never downloading its body — except for
+        an entry with no stored checksum, which is filled to disk once, like a GET."""
+        info = await self.backend.head(key)
+        if info is None:
+            return None
+        if info.crc32c is None:
+            # No usable CRC32C in the metadata (object written by another tool): only a
+            # full read can tell it; do that once, through the disk tier, like a GET.
+            fill = self.fill(key)
+            fill.detach()
+            return await asyncio.shield(fill.ready)
+        return EntryInfo(info.size, info.crc32c, info.header, self.backend.name)
+
+    def fill(self, key: EntryKey) -> Fill:
+        """The in-flight copy of ``key`` (joined) or a new one (started); attached."""
+        fill = self._fills.get(key.digest)
+        if fill is None:
+            fill = Fill(self, key)
+            self._fills[key.digest] = fill
+            fill.start()
+        else:
+            self.metrics.joins.inc()
+        fill.attach()
+        return fill
+
+    async def settle(self, key: EntryKey) -> None:
+        """Wait until no copy of ``key`` is in flight (its outcome does not matter), so
+        that a DELETE is not undone by a fill that commits after it."""
+        fill = self._fills.get(key.digest)
+        if fill is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fill.finished)
+
+    def filling(self) -> list[EntryKey]:
+        """The keys being copied from the backend to disk right now."""
+        return [fill.key for fill in self._fills.values()]
+
+    def _fill_done(self, fill: Fill) -> None:
+        if self._fills.get(fill.key.digest) is fill:
+            del self._fills[fill.key.digest]
+
+    def stop(self) -> None:
+        """Cancel the fills in flight (shutdown)."""
+        for fill in list(self._fills.values()):
+            fill.cancel()
+
+    def describe(self) -> Mapping[str, object]:
+        return {"fills_in_flight": len(self._fills)}

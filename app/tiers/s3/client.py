@@ -1,0 +1,480 @@
+"""The boto3 client of one bucket: calls off the event loop, metrics, errors, breaker.
+
+boto3 is synchronous; every call runs on a dedicated thread pool (sized like the HTTP
+connection pool) so the event loop never blocks. :meth:`S3Client.call` is the one way a
+call is made: it counts and times it, maps its failure onto :class:`S3Error` /
+:class:`S3Unavailable` (``errors``) and answers ``None`` for a missing object where the
+caller allows it.
+
+After an :class:`S3Unavailable`, calls fail fast for ``EC_S3_UNAVAILABLE_COOLDOWN``
+seconds (a tiny circuit breaker) so a dead endpoint costs each request no more than one
+timeout per cooldown period; the first call after the cooldown probes the endpoint again,
+so the backend recovers on its own without a restart.
+
+Everything here speaks object keys; ``backend`` maps entries onto them, ``transfers``
+uploads, ``readiness`` diagnoses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+import boto3
+from botocore.config import Config
+from prometheus_client import CollectorRegistry
+
+from app import wire
+from app.metrics import S3Metrics
+from app.settings import Settings
+from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+METADATA_CRC_KEY = "ec-crc32c"  # sent as x-amz-meta-ec-crc32c
+#: Path-style addressing: any endpoint works without wildcard DNS.
+ADDRESSING_STYLE = "path"
+
+
+def crc32c_to_b64(crc: int) -> str:
+    """The wire form of an S3 CRC32C checksum: base64 of the 4 big-endian bytes."""
+    return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
+
+
+def crc32c_from_b64(text: str) -> int | None:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+# --------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What HEAD (or the start of a GET) tells about an object."""
+
+    key: str
+    size: int
+    crc32c: int | None
+    etag: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
+    text = metadata.get(METADATA_CRC_KEY)
+    if text:
+        with contextlib.suppress(ValueError):
+            return wire.loose_hex32(text)
+    if checksum and "-" not in checksum:  # "...-N" is a composite multipart checksum
+        return crc32c_from_b64(checksum)
+    return None
+
+
+def _info_from_response(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
+    metadata = {str(k).lower(): str(v) for k, v in (resp.get("Metadata") or {}).items()}
+    checksum = resp.get("ChecksumCRC32C")
+    return ObjectInfo(
+        key=key,
+        size=int(resp.get("ContentLength", 0)),
+        crc32c=_parse_crc(metadata, str(checksum) if checksum else None),
+        etag=str(resp["ETag"]) if resp.get("ETag") else None,
+        metadata=metadata,
+    )
+
+
+# --------------------------------------------------------------------------- download
+
+
+class S3Download:
+    """An open S3 GET: ``info`` is known, the body is read in chunks on the S3 thread pool
+    with one chunk of read-ahead, never buffered whole. Always ``aclose()`` it (or use
+    ``async with``); closing early drops the connection instead of draining the body."""
+
+    def __init__(self, s3: S3Client, info: ObjectInfo, body: Any) -> None:
+        self.info = info
+        self._s3 = s3
+        self._body = body
+        self._pending: asyncio.Future[bytes] | None = None
+        self._closed = False
+        self._received = 0
+
+    async def __aenter__(self) -> S3Download:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _read(self) -> bytes:
+        try:
+            data: bytes = self._body.read(self._s3.settings.s3_get_chunk_size)
+        except Exception as exc:
+            raise map_error(exc, "get", self._s3.cooldown) from exc
+        return data
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
+        :class:`S3Unavailable` when the connection breaks mid-body (the body is then
+        incomplete and must not be used)."""
+        if self._closed:
+            raise RuntimeError("download already closed")
+        loop = asyncio.get_running_loop()
+        metrics = self._s3.metrics
+        try:
+            self._pending = loop.run_in_executor(self._s3.executor, self._read)
+            while True:
+                chunk = await self._pending
+                self._pending = None
+                if not chunk:
+                    break
+                self._received += len(chunk)
+                metrics.bytes_down.inc(len(chunk))
+                self._pending = loop.run_in_executor(self._s3.executor, self._read)
+                yield chunk
+        except S3Unavailable:
+            self._s3.mark_unavailable()
+            metrics.requests.labels("get_body", "unavailable").inc()
+            raise
+        if self._received != self.info.size:
+            metrics.requests.labels("get_body", "error").inc()
+            raise S3Unavailable(
+                f"S3 get of {self.info.key}: body ended after {self._received} of "
+                f"{self.info.size} bytes"
+            )
+        metrics.requests.labels("get_body", "ok").inc()
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.chunks()
+
+    async def read_all(self) -> bytes:
+        """The whole body (tests and small objects only)."""
+        parts = [chunk async for chunk in self.chunks()]
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending = self._pending, None
+        body = self._body
+
+        def _close() -> None:
+            try:
+                body.close()
+            except Exception:  # closing a broken connection must not mask the real error
+                log.debug("closing S3 body failed", exc_info=True)
+
+        loop = asyncio.get_running_loop()
+        if pending is not None:
+            # A read-ahead is in flight on the pool: let it finish before closing the
+            # stream under it (urllib3 responses are not thread-safe).
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(pending)
+        await loop.run_in_executor(self._s3.executor, _close)
+
+
+# --------------------------------------------------------------------------- client
+
+
+class S3Client:
+    """Async S3 client for the bucket and key prefix of ``settings`` (``EC_S3_*``).
+
+    Credentials left ``None`` come from the standard AWS chain (``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY``, profiles, web identity, IMDS). ``metrics`` (or a fresh
+    :class:`S3Metrics` on ``registry``; on a private registry when both are None).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        metrics: S3Metrics | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+    ) -> None:
+        if not settings.s3_bucket:
+            raise ValueError("S3 bucket name is empty")
+        self.settings = settings
+        self.bucket: str = settings.s3_bucket
+        self.prefix = settings.s3_prefix.strip("/")
+        self.cooldown = settings.s3_unavailable_cooldown
+        self.metrics = metrics if metrics is not None else S3Metrics(registry)
+        pool = settings.s3_max_pool_connections
+        # One pool for every blocking S3 call (boto3 clients are thread-safe); its size
+        # matches the HTTP connection pool so no thread waits for a connection.
+        self.executor = ThreadPoolExecutor(max_workers=pool, thread_name_prefix="ec-s3")
+        session = boto3.session.Session(
+            aws_access_key_id=access_key_id,
+            aws_secret_access_key=secret_access_key,
+            aws_session_token=session_token,
+            region_name=settings.s3_region,
+        )
+        common: dict[str, Any] = {
+            "region_name": settings.s3_region,
+            "signature_version": "s3v4",
+            "s3": {"addressing_style": ADDRESSING_STYLE},
+            "max_pool_connections": pool,
+            "tcp_keepalive": True,
+            # We pass our own CRC32C where it matters; don't let botocore add its default
+            # CRC32 trailers (aws-chunked), which some S3-compatible endpoints reject.
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+            "user_agent_extra": "ec-cache",
+        }
+        #: The boto3 client (thread-safe); call it only through :meth:`call`.
+        self.client: Any = session.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            verify=settings.s3_verify_tls,
+            config=Config(
+                connect_timeout=settings.s3_connect_timeout,
+                read_timeout=settings.s3_read_timeout,
+                retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
+                **common,
+            ),
+        )
+        #: Readiness probes: one attempt, short timeouts, so /readyz answers within ~3 s
+        #: even when the endpoint is a black hole.
+        self.probe_client: Any = session.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            verify=settings.s3_verify_tls,
+            config=Config(
+                connect_timeout=min(settings.s3_connect_timeout, 1.0),
+                read_timeout=min(settings.s3_read_timeout, 2.0),
+                retries={"max_attempts": 1, "mode": "standard"},
+                **common,
+            ),
+        )
+        self._lock = threading.Lock()
+        self._unavailable_until = 0.0
+        self._last_unavailable: str | None = None
+
+    # ---------------------------------------------------------------- health
+
+    @property
+    def available(self) -> bool:
+        """False while the circuit breaker is open (an unavailable error happened less than
+        ``EC_S3_UNAVAILABLE_COOLDOWN`` seconds ago)."""
+        return time.monotonic() >= self._unavailable_until
+
+    def retry_after(self) -> float:
+        """Seconds a client should wait before retrying (for ``Retry-After``)."""
+        return max(1.0, self._unavailable_until - time.monotonic(), self.cooldown)
+
+    def mark_unavailable(self, reason: str | None = None) -> None:
+        """Open the breaker for one cooldown period."""
+        with self._lock:
+            self._unavailable_until = time.monotonic() + self.cooldown
+            if reason:
+                self._last_unavailable = reason
+
+    def mark_available(self) -> None:
+        """The endpoint answered: close the breaker."""
+        if self._unavailable_until:
+            with self._lock:
+                self._unavailable_until = 0.0
+
+    def _check_breaker(self, operation: str) -> None:
+        if time.monotonic() < self._unavailable_until:
+            self.metrics.fast_failures.inc()
+            raise S3Unavailable(
+                f"S3 {operation} skipped: endpoint marked unavailable "
+                f"({self._last_unavailable or 'recent failure'})",
+                retry_after=self.retry_after(),
+            )
+
+    # ---------------------------------------------------------------- plumbing
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the S3 thread pool (no metrics, no mapping)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, fn)
+
+    def _call_sync(
+        self,
+        operation: str,
+        fn: Callable[[], T],
+        *,
+        not_found_ok: bool = False,
+        breaker: bool = True,
+    ) -> T | None:
+        """Run one boto3 call (on a pool thread) with metrics and error mapping."""
+        if breaker:
+            self._check_breaker(operation)
+        started = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as exc:
+            self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
+            if not_found_ok and is_not_found(exc):
+                self.metrics.requests.labels(operation, "not_found").inc()
+                self.mark_available()
+                return None
+            mapped = map_error(exc, operation, self.cooldown)
+            if isinstance(mapped, S3Unavailable):
+                self.metrics.requests.labels(operation, "unavailable").inc()
+                self.mark_unavailable(str(mapped))
+            else:
+                self.metrics.requests.labels(operation, "error").inc()
+                self.mark_available()  # it answered, so it is reachable
+            raise mapped from exc
+        self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
+        self.metrics.requests.labels(operation, "ok").inc()
+        self.mark_available()
+        return result
+
+    async def call(
+        self,
+        operation: str,
+        fn: Callable[[], T],
+        *,
+        not_found_ok: bool = False,
+        breaker: bool = True,
+    ) -> T | None:
+        """Run one boto3 call off the event loop: counted and timed as ``operation``,
+        failures raised as :class:`S3Error`/:class:`S3Unavailable`, a missing object
+        answered ``None`` when ``not_found_ok``, refused at once while the breaker is
+        open (unless ``breaker`` is False)."""
+        return await self.run(
+            lambda: self._call_sync(operation, fn, not_found_ok=not_found_ok, breaker=breaker)
+        )
+
+    # ---------------------------------------------------------------- operations
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Size and CRC32C of an object, or ``None`` when it does not exist."""
+        resp = await self.call(
+            "head",
+            lambda: self.client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"),
+            not_found_ok=True,
+        )
+        return None if resp is None else _info_from_response(key, resp)
+
+    async def open(self, key: str) -> S3Download | None:
+        """Start a GET: ``None`` when the object does not exist, else an open download
+        whose headers (size, CRC32C) are known and whose body is still on the wire."""
+        resp = await self.call(
+            "get",
+            lambda: self.client.get_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"),
+            not_found_ok=True,
+        )
+        if resp is None:
+            return None
+        return S3Download(self, _info_from_response(key, resp), resp["Body"])
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``
+        when the object does not exist. For reading a body's header without the body."""
+
+        def _get() -> bytes:
+            resp = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+            )
+            body = resp["Body"]
+            try:
+                data: bytes = body.read()
+            finally:
+                body.close()
+            self.metrics.bytes_down.inc(len(data))
+            return data
+
+        return await self.call("get_range", _get, not_found_ok=True)
+
+    async def get_bytes(self, key: str) -> bytes | None:
+        """The whole object in memory, or ``None`` (tests, small objects)."""
+        download = await self.open(key)
+        if download is None:
+            return None
+        async with download:
+            return await download.read_all()
+
+    async def delete(self, key: str) -> None:
+        """Remove an object; absent objects are fine."""
+        await self.call(
+            "delete",
+            lambda: self.client.delete_object(Bucket=self.bucket, Key=key),
+            not_found_ok=True,
+        )
+
+    async def list_page(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> tuple[list[tuple[str, int]], str | None]:
+        """(key, size) of up to ``limit`` objects directly under ``prefix`` (``/`` is the
+        delimiter: deeper keys are not listed) after ``start_after``, in key order, and
+        the ``start_after`` of the next page (None at the end)."""
+
+        def _list() -> Any:
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": prefix,
+                "Delimiter": "/",
+                "MaxKeys": limit,
+            }
+            if start_after:
+                kwargs["StartAfter"] = start_after
+            return self.client.list_objects_v2(**kwargs)
+
+        resp = await self.call("list", _list)
+        assert resp is not None
+        objects = [(item["Key"], int(item["Size"])) for item in resp.get("Contents", ())]
+        if not resp.get("IsTruncated"):
+            return objects, None
+        markers = [key for key, _ in objects[-1:]]
+        markers += [item["Prefix"] for item in resp.get("CommonPrefixes", ())[-1:]]
+        return objects, max(markers) if markers else None
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove up to 1000 objects in one request (absent ones are fine); raises
+        ``S3Error`` naming the first key S3 could not delete."""
+        if not keys:
+            return
+
+        def _delete() -> Any:
+            return self.client.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True},
+            )
+
+        resp = await self.call("delete_many", _delete)
+        errors = (resp or {}).get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise S3Error(
+                f"S3 could not delete {len(errors)} of {len(keys)} objects, first "
+                f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message')}",
+                code=first.get("Code"),
+            )
+
+    async def close(self) -> None:
+        """Release the thread pool and HTTP connections."""
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Synchronous :meth:`close` (for code outside an event loop)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for client in (self.client, self.probe_client):
+            try:
+                client.close()
+            except Exception:
+                log.debug("closing boto3 client failed", exc_info=True)

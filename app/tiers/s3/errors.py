@@ -1,0 +1,107 @@
+"""The S3 backend's two error types and the one mapping of botocore failures onto them.
+
+:class:`S3Unavailable`: connection refused or reset, timeouts, 5xx, throttling (the server
+answers 503 with ``Retry-After``). :class:`S3Error`: everything else (credentials,
+permissions, missing bucket, checksum refused, ...). A missing object is not an error:
+callers ask :func:`is_not_found` and answer ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import botocore.exceptions as bce
+
+
+class S3Error(Exception):
+    """An S3 call failed for a reason retrying soon will not fix (credentials, permissions,
+    missing bucket, checksum refused, bad request)."""
+
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+class S3Unavailable(S3Error):
+    """The endpoint is unreachable or overloaded (connection refused/reset, timeout, 5xx,
+    throttling). Callers answer 503 with ``Retry-After: retry_after``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        retry_after: float = 1.0,
+    ):
+        super().__init__(message, code=code, status=status)
+        self.retry_after = retry_after
+
+
+_UNAVAILABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",  # clock skew is not ours to fix, but it is transient-ish
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+    }
+)
+
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+
+
+def client_error_info(exc: bce.ClientError) -> tuple[str, int, str]:
+    """(error code, HTTP status, message) of a botocore ``ClientError``."""
+    err: Mapping[str, Any] = exc.response.get("Error", {}) or {}
+    meta: Mapping[str, Any] = exc.response.get("ResponseMetadata", {}) or {}
+    code = str(err.get("Code", "") or "")
+    status = int(meta.get("HTTPStatusCode", 0) or 0)
+    message = str(err.get("Message", "") or "")
+    return code, status, message
+
+
+def is_not_found(exc: BaseException) -> bool:
+    if not isinstance(exc, bce.ClientError):
+        return False
+    code, status, _ = client_error_info(exc)
+    return code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchBucket")
+
+
+def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S3Error:
+    """Translate a botocore/urllib3 exception into :class:`S3Unavailable` or
+    :class:`S3Error`. Already-mapped errors pass through unchanged."""
+    if isinstance(exc, S3Error):
+        return exc
+    if isinstance(exc, bce.ClientError):
+        code, status, message = client_error_info(exc)
+        text = f"S3 {operation} failed: {code or status} {message}".rstrip()
+        if status >= 500 or status == 429 or code in _UNAVAILABLE_CODES:
+            return S3Unavailable(text, code=code, status=status, retry_after=retry_after)
+        return S3Error(text, code=code, status=status)
+    if isinstance(
+        exc,
+        bce.ConnectionError  # EndpointConnectionError, ConnectTimeout, ReadTimeout, ...
+        | bce.HTTPClientError
+        | bce.ResponseStreamingError
+        | bce.IncompleteReadError
+        | ConnectionError
+        | TimeoutError,
+    ):
+        return S3Unavailable(
+            f"S3 {operation} failed: endpoint unreachable ({type(exc).__name__}: {exc})",
+            retry_after=retry_after,
+        )
+    if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
+        return S3Error(
+            f"S3 {operation} failed: no usable AWS credentials ({exc})", code="NoCredentials"
+        )
+    if isinstance(exc, bce.BotoCoreError):
+        return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")
+    return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")

@@ -1,0 +1,173 @@
+"""Read-through on the Backend interface alone: an in-memory backend (no S3) behind a real
+disk tier. Shows the store's side needs nothing of S3; the S3 behaviour itself is tested
+against SeaweedFS in tests/s3."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from app.checksum import crc32c
+from app.errors import InvalidBackendObject
+from app.keys import EntryKey
+from app.safetensors_format import TensorHeader, validate_body
+from app.tiers.base import Backend, RemoteInfo
+from app.tiers.disk import DiskTier
+from app.tiers.read_through import ReadThrough
+from tests.support.entries import body
+
+pytestmark = pytest.mark.anyio
+
+KEY = EntryKey.parse("org/model", "float32", "h1")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class MemoryBody:
+    def __init__(self, data: bytes, crc: int | None, gate: asyncio.Event) -> None:
+        self.data, self.size, self.crc32c, self.gate = data, len(data), crc, gate
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for start in range(0, self.size, 100):
+            await self.gate.wait()
+            yield self.data[start : start + 100]
+
+    async def aclose(self) -> None:
+        pass
+
+    async def __aenter__(self) -> MemoryBody:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class MemoryBackend:
+    """Entries in a dict; ``opens`` counts body reads, ``gate`` holds them back."""
+
+    name = "s3"
+
+    def __init__(self) -> None:
+        self.entries: dict[EntryKey, tuple[bytes, int | None]] = {}
+        self.opens = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def head(self, key: EntryKey, *, read_header: bool = True) -> RemoteInfo | None:
+        if key not in self.entries:
+            return None
+        data, crc = self.entries[key]
+        return RemoteInfo(len(data), crc, validate_body(data, key.dtype))
+
+    async def open(self, key: EntryKey) -> MemoryBody | None:
+        if key not in self.entries:
+            return None
+        self.opens += 1
+        data, crc = self.entries[key]
+        return MemoryBody(data, crc, self.gate)
+
+    async def contains(self, key: EntryKey) -> bool:
+        return key in self.entries
+
+    async def put_file(
+        self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
+    ) -> None:
+        self.entries[key] = (Path(path).read_bytes(), crc32c)
+
+    async def delete(self, key: EntryKey) -> None:
+        self.entries.pop(key, None)
+
+    def namespace_prefix(self, model: str, dtype: str) -> str:
+        return f"{model}/{dtype}/"
+
+    async def list_page(
+        self, prefix: str, *, start_after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int]], str | None]:
+        return [], None
+
+    async def delete_many(self, names: Sequence[str]) -> None:
+        pass
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def readiness(self) -> str:
+        return "ok"
+
+    def describe(self) -> Mapping[str, object]:
+        return {}
+
+
+def setup(tmp_path: Path) -> tuple[MemoryBackend, DiskTier, ReadThrough]:
+    backend = MemoryBackend()
+    as_backend: Backend = backend  # the fake satisfies the interface (checked by mypy)
+    disk = DiskTier(tmp_path, 1 << 20)
+    disk.rebuild()
+    return backend, disk, ReadThrough(as_backend, disk, CollectorRegistry(), 256)
+
+
+async def read(reader: ReadThrough, key: EntryKey) -> bytes:
+    entry = await reader.get(key)
+    assert entry is not None and entry.chunks is not None
+    return b"".join([chunk async for chunk in entry.chunks])
+
+
+async def test_concurrent_misses_make_one_read_and_fill_the_disk(tmp_path: Path) -> None:
+    backend, disk, reader = setup(tmp_path)
+    data = body((8, 16))
+    backend.entries[KEY] = (data, crc32c(data))
+    backend.gate.clear()  # hold the body until every reader joined
+    readers = [asyncio.create_task(read(reader, KEY)) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    backend.gate.set()
+    assert await asyncio.gather(*readers) == [data] * 5
+    assert backend.opens == 1
+    await reader.settle(KEY)
+    opened = disk.open(KEY)
+    assert opened is not None and bytes(opened.view) == data
+    assert await reader.get(EntryKey.parse("org/model", "float32", "absent")) is None
+
+
+async def test_corrupt_body_is_refused_and_not_cached(tmp_path: Path) -> None:
+    backend, disk, reader = setup(tmp_path)
+    data = body((8, 16))
+    backend.entries[KEY] = (data, crc32c(data) ^ 1)
+    with pytest.raises(InvalidBackendObject, match="not a valid entry"):
+        await read(reader, KEY)
+    assert not disk.contains(KEY)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+async def test_head_without_a_stored_crc_fills_once(tmp_path: Path) -> None:
+    backend, disk, reader = setup(tmp_path)
+    data = body((4, 4))
+    backend.entries[KEY] = (data, None)
+    info = await reader.head(KEY)
+    assert info is not None and (info.size, info.crc32c, info.tier) == (
+        len(data),
+        crc32c(data),
+        "s3",
+    )
+    await reader.settle(KEY)
+    assert backend.opens == 1 and disk.contains(KEY)
