@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
@@ -71,17 +72,43 @@ async def metrics_access(request: Request) -> None:
         (await Require(Scope.READ)(request)).check_unrestricted("/metrics")
 
 
-async def _with_idle_timeout(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
-    """Pass chunks through; raise ``SlowClient`` when none arrives for ``seconds``."""
+async def _with_deadlines(chunks: AsyncIterator[bytes], settings: Settings) -> AsyncIterator[bytes]:
+    """Pass an upload's chunks through; raise ``SlowClient`` when the client stalls.
+
+    Three rules, each answered 408 (the store then removes its temp file): no chunk for
+    ``EC_BODY_READ_TIMEOUT``; fewer than ``EC_UPLOAD_MIN_RATE`` bytes per second since
+    the end of ``EC_UPLOAD_RATE_GRACE`` (so a client trickling a byte a second cannot
+    hold an upload slot); the whole body later than ``EC_UPLOAD_TIMEOUT``.
+    """
     iterator = aiter(chunks)
+    idle = settings.body_read_timeout
+    rate = settings.upload_min_rate
+    grace = settings.upload_rate_grace
+    start = time.monotonic()
+    received = 0
     while True:
-        with anyio.move_on_after(seconds) as scope:
+        now = time.monotonic() - start
+        limits = [(idle, f"no body bytes received for {idle:g} s")]
+        limits.append(
+            (settings.upload_timeout - now, f"upload took over {settings.upload_timeout:g} s")
+        )
+        if rate:
+            # The moment the average since the grace period falls below the rate.
+            limits.append(
+                (
+                    grace + received / rate - now,
+                    f"upload slower than {rate} bytes/s (after a {grace:g} s grace period)",
+                )
+            )
+        wait, reason = min(limits)
+        with anyio.move_on_after(max(wait, 0)) as scope:
             try:
                 chunk = await anext(iterator)
             except StopAsyncIteration:
                 return
         if scope.cancelled_caught:
-            raise SlowClient(f"no body bytes received for {seconds:g} s")
+            raise SlowClient(f"{reason}: {received} bytes in {time.monotonic() - start:.1f} s")
+        received += len(chunk)
         yield chunk
 
 
@@ -214,7 +241,7 @@ async def put_entry(
     try:
         result = await store.put(
             key,
-            _with_idle_timeout(request.stream(), settings.body_read_timeout),
+            _with_deadlines(request.stream(), settings),
             declared_length=content_length,
             expected_crc=expected_crc,
         )

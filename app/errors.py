@@ -74,7 +74,8 @@ class ClientGone(ECError):
 
 
 class SlowClient(ECError):
-    """An upload stalled past ``EC_BODY_READ_TIMEOUT``; nothing is stored."""
+    """An upload stalled (``EC_BODY_READ_TIMEOUT``), went slower than
+    ``EC_UPLOAD_MIN_RATE`` or past ``EC_UPLOAD_TIMEOUT``; nothing is stored."""
 
     status_code = 408
     code = "request_timeout"

@@ -108,6 +108,12 @@ class Settings(BaseSettings):
     max_concurrent_downloads: int = Field(default=512, ge=1)
     #: An upload that sends nothing for this long is cut off and leaves nothing behind.
     body_read_timeout: float = Field(default=30.0, gt=0)
+    #: An upload must average at least this many bytes per second once its grace
+    #: period is over (0: no minimum); slower ones are cut off (408).
+    upload_min_rate: ByteSize = Field(default=1024**2, ge=0)
+    upload_rate_grace: float = Field(default=10.0, ge=0)
+    #: No upload body takes longer than this, however fast it still goes (408).
+    upload_timeout: float = Field(default=300.0, gt=0)
     max_header_bytes: ByteSize = Field(default=16 * 1024, ge=1024)
     #: SIGTERM: stop accepting, then wait this long for in-flight requests.
     shutdown_timeout: int = Field(default=30, ge=0)
