@@ -164,6 +164,10 @@ def parse_header(raw: bytes | bytearray | memoryview, expected_dtype: str) -> Te
 
 
 def _parse_header(raw: bytes | bytearray | memoryview, expected_dtype: str) -> TensorHeader:
+    # safetensors 0.8 still skips leading whitespace but has long meant to refuse it
+    # (its InvalidHeaderStart); every writer starts with "{", so require it already.
+    if bytes(raw[:1]) != b"{":
+        raise InvalidBody("safetensors header must start with '{'")
     header = _load_json(raw)
     if not isinstance(header, dict):
         raise InvalidBody("safetensors header must be a JSON object")

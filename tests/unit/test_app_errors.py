@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
-from fastapi.testclient import TestClient
+import httpx
 
 from app.main import create_app
 from app.settings import Settings
@@ -17,8 +18,12 @@ def test_an_unexpected_exception_is_a_json_500(tmp_path: Path) -> None:
     async def boom() -> None:
         raise RecursionError("a bug")
 
-    with TestClient(app, raise_server_exceptions=False) as client:
-        response = client.get("/boom")
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ec") as client:
+            return await client.get("/boom")
+
+    response = asyncio.run(call())
     assert response.status_code == 500
     assert response.json() == {
         "error": "internal_error",

@@ -3,7 +3,8 @@
 Rule: a body is accepted only if every reference reader accepts it: the ``safetensors``
 package's numpy and torch loaders (its Rust parser plus each framework's own limits).
 The server adds its own rules on top (exactly one tensor, the path's dtype, exactly the
-fields dtype/shape/data_offsets, no duplicate key in any object); ``ec_cache_rules`` states
+fields dtype/shape/data_offsets, no duplicate key in any object, the header starts with
+``{``); ``ec_cache_rules`` states
 them independently of the server's code, so the property is
 
     server accepts  <=>  the references accept  and  ec_cache_rules hold.
@@ -380,6 +381,8 @@ def ec_cache_rules(data: bytes, dtype: str, loaded: dict[str, Any]) -> bool:
     if list(loaded.values()) != [dtype]:
         return False  # exactly one tensor, of the path's dtype
     (length,) = struct.unpack("<Q", data[:8])
+    if data[8:9] != b"{":
+        return False  # leading whitespace: the reference still skips it, ec-cache does not
     try:
         header = json.loads(data[8 : 8 + length], object_pairs_hook=_no_duplicates)
     except ValueError:

@@ -61,9 +61,11 @@ def test_dtype_mismatch_names_both() -> None:
     [
         (struct.pack("<Q", MAX_HEADER_BYTES + 1), "exceeds"),
         (struct.pack("<Q", 1) + b"{", "too small"),
-        (struct.pack("<Q", 8) + b"not json", "not valid JSON"),
-        (struct.pack("<Q", 8) + b"[1,2,3] ", "JSON object"),
-        (struct.pack("<Q", 4) + b"\xff\xfe{}", "not valid UTF-8"),
+        (struct.pack("<Q", 8) + b"not json", "start with"),
+        (struct.pack("<Q", 8) + b"{notjson", "not valid JSON"),
+        (struct.pack("<Q", 8) + b"[1,2,3] ", "start with"),
+        (struct.pack("<Q", 4) + b"\xff\xfe{}", "start with"),
+        (struct.pack("<Q", 4) + b"{\xff\xfe}", "not valid UTF-8"),
     ],
 )
 def test_malformed_headers(data: bytes, message: str) -> None:
@@ -201,6 +203,7 @@ def test_hostile_headers_are_invalid_bodies_whatever_python_raises(header: str) 
             '{"__metadata__":{"a":"\\udfff"},"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
             "surrogate",
         ),
+        (' {"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "start with"),
     ],
 )
 def test_headers_the_reference_parser_refuses(header: str, message: str) -> None:
@@ -217,7 +220,7 @@ def test_headers_the_reference_parser_refuses(header: str, message: str) -> None
         '{"t":{"dtype":"U8","shape":[0,9223372036854775807],"data_offsets":[0,0]}}',
         '{"t":{"dtype":"U8","shape":[' + ",".join(["1"] * 64) + '],"data_offsets":[0,1]}}',
         '{"__metadata__":null,"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
-        ' \t\n{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}\r\n ',
+        '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}\t\r\n ',
     ],
 )
 def test_edge_headers_the_reference_parser_accepts(header: str) -> None:
