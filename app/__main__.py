@@ -70,6 +70,7 @@ def main() -> None:
         port=settings.port,
         loop="uvloop",
         http=protocol,  # httptools, with connection deadlines and a bound
+        ws="none",  # no WebSocket routes: an Upgrade request stays a plain HTTP request
         log_config=log_config,
         access_log=False,  # app.middleware writes access lines with request ids
         server_header=False,

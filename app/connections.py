@@ -161,6 +161,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().timeout_keep_alive_handler()
         self._watch_send()  # bytes still unsent: the send deadline still applies
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # Served with ws="none": an Upgrade request is answered as plain HTTP. uvicorn's
+        # two warning lines per such request would let any client flood the log.
+        log.debug("ignoring an Upgrade request header")
+
     # -- the request-head deadline ------------------------------------------------
 
     def data_received(self, data: bytes) -> None:

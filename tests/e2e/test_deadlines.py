@@ -223,3 +223,19 @@ def test_connections_beyond_the_bound_are_refused_at_once(tmp_path: Path) -> Non
         time.sleep(0.5)
         assert httpx.get(srv.url + "/healthz").status_code == 200
         assert _metric(srv.url, 'ec_connections_dropped_total{reason="limit"}') == 1
+
+
+def test_upgrade_requests_are_plain_http(server: ServerProcess) -> None:
+    # No WebSocket routes: an Upgrade header neither switches protocols (escaping the
+    # connection bounds) nor writes warnings to the log.
+    upgrade = {
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+    }
+    for _ in range(3):
+        assert rawhttp.request(server.port, "GET", "/healthz", upgrade).status == 200
+    time.sleep(0.2)
+    assert _metric(server.url, "ec_connections_open") == 1  # this request's own
+    assert "WebSocket" not in server.log_path.read_text()
