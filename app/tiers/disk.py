@@ -361,25 +361,24 @@ class DiskTier:
 
     # -- space: never evict for a body that cannot fit -------------------------------
 
-    def _space_locked(self, pending: PendingWrite) -> tuple[int, int, int]:
-        """(free bytes on the file system, bytes eviction could free, bytes other
-        in-flight uploads have reserved)."""
-        st = self._statvfs(self._tmp)
-        free = st.f_bavail * st.f_frsize
-        pinned = sum(
-            entry.size for digest in self._pinned if (entry := self._index.get(digest)) is not None
-        )
-        reserved = sum(other.remaining for other in self._writes if other is not pending)
-        return free, self._used - pinned, reserved
-
     def _check_fits_locked(self, pending: PendingWrite, needed: int) -> int:
-        """Raise when ``needed`` more bytes cannot fit; else return the free bytes."""
+        """Raise when ``needed`` more bytes cannot fit: 507 when they never can (free
+        space plus what eviction could free), 503 when only the bytes other uploads in
+        flight have reserved are in the way. Else return the free bytes not reserved."""
         if pending.written + needed > self.max_bytes:
             raise InsufficientStorage(
                 f"entry of {pending.written + needed} bytes is larger than the disk tier "
                 f"({self.max_bytes} bytes)"
             )
-        free, evictable, reserved = self._space_locked(pending)
+        st = self._statvfs(self._tmp)
+        free = st.f_bavail * st.f_frsize
+        reserved = sum(other.remaining for other in self._writes if other is not pending)
+        if needed <= free - reserved:
+            return free - reserved  # the common case: no need to count evictable bytes
+        pinned = sum(
+            entry.size for digest in self._pinned if (entry := self._index.get(digest)) is not None
+        )
+        evictable = self._used - pinned
         if needed > free + evictable:
             raise InsufficientStorage(
                 f"entry needs {needed} more bytes: the disk tier's file system has {free} "
