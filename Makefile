@@ -34,6 +34,7 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }
 
 lint: $(VENV)/.test
+	$(PY) scripts/unasync.py --check
 	$(VENV)/bin/ruff check app client bench tests
 	$(VENV)/bin/ruff format --check app client bench tests
 

@@ -15,7 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
-from app import checksum
+from app import checksum, wire
 from app.auth import Authenticator, Principal, Scope
 from app.errors import (
     AlreadyExists,
@@ -121,7 +121,7 @@ KeyDep = Annotated[EntryKey, Depends(entry_key)]
 # Dependencies are coroutines on purpose: FastAPI runs plain ``def`` ones in a thread
 # pool, one thread hop each per request.
 
-router = APIRouter()
+router = APIRouter(redirect_slashes=False)
 
 
 class ExistsRequest(BaseModel):
@@ -145,7 +145,19 @@ def _parse_crc(value: str | None) -> int | None:
         return checksum.from_hex(value)
     except ValueError:
         raise InvalidRequest(
-            f"X-EC-CRC32C {value!r} is not 8 hex digits", part="checksum"
+            f"X-EC-CRC32C {value[:40]!r} is not 8 lowercase hex digits", part="checksum"
+        ) from None
+
+
+def _parse_length(value: str | None) -> int | None:
+    """Content-Length: the HTTP parser checks it too; the app does not rely on that."""
+    if value is None:
+        return None
+    try:
+        return wire.decimal(value)
+    except ValueError:
+        raise InvalidRequest(
+            f"Content-Length {value[:40]!r} is not a decimal number of bytes", part="header"
         ) from None
 
 
@@ -218,7 +230,7 @@ async def put_entry(
     expected_crc = _parse_crc(x_ec_crc32c)
     # Read directly, not as a declared parameter: the HTTP server already validated it.
     length_header = request.headers.get("content-length")
-    content_length = int(length_header) if length_header is not None else None
+    content_length = _parse_length(length_header)
     # Decided before the body is read: with Expect: 100-continue it is never sent.
     if content_length is not None and content_length > settings.max_body_bytes:
         raise BodyTooLarge(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 
+from app import wire
+
 if not _crc32c.hardware_based:  # pragma: no cover - depends on the CPU
     import logging
 
@@ -29,7 +31,6 @@ def etag(value: int) -> str:
 
 
 def from_hex(text: str) -> int:
-    """Parse 8 hex digits; raises ``ValueError`` for anything else."""
-    if len(text) != 8:
-        raise ValueError("a CRC32C is 8 hex digits")
-    return int(text, 16)
+    """Parse exactly 8 lowercase hex digits; raises ``ValueError`` for anything else
+    (a sign, ``0x``, underscores, spaces, upper case, non-ASCII digits)."""
+    return wire.hex32(text)

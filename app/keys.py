@@ -59,10 +59,12 @@ def validate_dtype(dtype: str) -> str:
 
 
 def validate_hash(value: str) -> str:
-    if not _HASH_RE.fullmatch(value):
+    # "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
+    if not _HASH_RE.fullmatch(value) or value in (".", ".."):
         raise InvalidKey(
             "hash",
-            f"hash must be 1-{MAX_HASH_CHARS} characters of letters, digits and . _ : -",
+            f"hash must be 1-{MAX_HASH_CHARS} characters of letters, digits and . _ : - "
+            "(not '.' or '..')",
         )
     return value
 

@@ -71,6 +71,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # A bug, not a client's fault: JSON like every other error (the traceback is logged).
+    return _error(
+        request, 500, "internal_error", "internal server error (see the server log)", None
+    )
+
+
 class ConfigurationError(Exception):
     """Settings that are valid one by one but not together; start-up stops."""
 
@@ -127,6 +134,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         summary="Shared cache for multimodal encoder outputs",
         lifespan=lifespan,
+        # Never 307 to the same path with(out) a trailing slash: the Location would be
+        # built from the client's Host header. Such paths are 404s like any other.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -137,6 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ECError, _ec_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
     # Added last is outermost: ids and access lines cover refusals and metrics too.
     app.add_middleware(AdmissionMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -17,7 +17,7 @@ from app.settings import Settings
 
 access_log = logging.getLogger("app.access")
 
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_TARGET_BYTES = 2048
 
 
@@ -105,7 +105,7 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send)
             return
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming if _REQUEST_ID_RE.match(incoming) else os.urandom(16).hex()
+        request_id = incoming if _REQUEST_ID_RE.fullmatch(incoming) else os.urandom(16).hex()
         scope.setdefault("state", {})["request_id"] = request_id
         start = time.perf_counter()
         status = 0

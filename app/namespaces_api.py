@@ -11,8 +11,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator
 
+from app import wire
 from app.api import Require, StoreDep
 from app.auth import Principal, Scope
 from app.errors import InvalidRequest
@@ -21,7 +22,13 @@ from app.namespaces import disk_page, s3_page
 
 MAX_PAGE = 1000
 
-router = APIRouter(prefix="/namespaces", tags=["namespaces"])
+router = APIRouter(prefix="/namespaces", tags=["namespaces"], redirect_slashes=False)
+
+
+def _decimal(value: object) -> object:
+    """Query integers: ASCII digits only (pydantic alone takes ``+5``, `` 5``, ``5_0``)."""
+    return wire.decimal(value) if isinstance(value, str) else value
+
 
 Reader = Annotated[Principal, Depends(Require(Scope.READ))]
 Admin = Annotated[Principal, Depends(Require(Scope.ADMIN))]
@@ -60,7 +67,7 @@ async def list_entries(
     model: Annotated[str, Query(description="model name, slashes allowed")],
     dtype: Annotated[str, Query()],
     tier: Annotated[Literal["disk", "s3"], Query()] = "disk",
-    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE), BeforeValidator(_decimal)] = 100,
     after: Annotated[str | None, Query(description="the `next` of the previous page")] = None,
 ) -> dict[str, Any]:
     validate_model(model)

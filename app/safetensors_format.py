@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 
 from app.checksum import crc32c, to_hex
-from app.errors import BodyTooLarge, ChecksumMismatch, DtypeMismatch, InvalidBody
+from app.errors import BodyTooLarge, ChecksumMismatch, DtypeMismatch, ECError, InvalidBody
 from app.keys import DTYPES
 
 #: A one-tensor header is ~100 bytes; this leaves room for metadata, not for abuse.
@@ -47,6 +47,8 @@ class TensorHeader:
 
 
 def read_header_length(prefix: bytes | bytearray | memoryview) -> int:
+    if len(prefix) < PREFIX_BYTES:
+        raise InvalidBody("body is shorter than the 8-byte safetensors prefix")
     (length,) = struct.unpack("<Q", prefix[:PREFIX_BYTES])
     if length < 2:
         raise InvalidBody(f"safetensors header length {length} is too small")
@@ -57,40 +59,147 @@ def read_header_length(prefix: bytes | bytearray | memoryview) -> int:
     return int(length)
 
 
-def parse_header(raw: bytes | bytearray | memoryview, expected_dtype: str) -> TensorHeader:
-    """Parse the JSON header (without the 8-byte prefix) of a single-tensor body."""
+# -- the header's JSON, read the way the reference parser (serde_json) reads it --------
+#
+# ``safetensors`` parses headers with serde_json into typed fields; Python's ``json`` is
+# laxer. The hooks below close every gap a one-tensor header can reach: NaN/Infinity,
+# duplicate keys, lone surrogate escapes, numbers that are not unsigned 64-bit integers
+# ("-0", "2.0", "1e3", 2**64) and integers too long for ``int()``. An accepted header
+# nests three levels deep, so deeper nesting is refused (serde_json stops at 128).
+
+_U64_MAX = (1 << 64) - 1
+#: numpy and torch size arrays in signed 64-bit: ``prod(max(dim, 1)) * itemsize`` must
+#: fit, even for a tensor with no elements (numpy refuses ``[0, 2**63]``, torch overflows
+#: its strides on ``[0, 2**32, 2**32]``, safetensors on ``[2**32, 2**32, 0]``).
+MAX_TENSOR_BYTES = (1 << 63) - 1
+#: numpy's limit on dimensions.
+MAX_DIMS = 64
+
+
+class _Refused(Exception):
+    """Raised inside the JSON hooks; becomes ``InvalidBody``."""
+
+
+@dataclass(frozen=True)
+class _Number:
+    """A JSON number that is not an unsigned 64-bit integer (kept as its text)."""
+
+    text: str
+
+    def __repr__(self) -> str:
+        return self.text if len(self.text) <= 40 else self.text[:40] + "..."
+
+
+def _parse_int(text: str) -> int | _Number:
+    # At most 20 digits: never reaches int()'s digit limit, never above 2**64 - 1.
+    if text.startswith("-") or len(text) > 20:
+        return _Number(text)  # serde_json reads "-0" as a float, negatives as i64
+    value = int(text)
+    return value if value <= _U64_MAX else _Number(text)
+
+
+def _parse_constant(text: str) -> object:
+    raise _Refused(f"{text} is not JSON")
+
+
+def _check_text(text: str) -> str:
     try:
-        header = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Refused("a string holds a lone surrogate escape") from None
+    return text
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _Refused(f"duplicate key {key[:64]!r}")
+        if isinstance(value, str):
+            _check_text(value)
+        result[_check_text(key)] = value
+    return result
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _is_u64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _load_json(raw: bytes | bytearray | memoryview) -> object:
+    try:
+        return json.loads(
+            bytes(raw).decode("utf-8"),
+            object_pairs_hook=_object,
+            parse_int=_parse_int,
+            parse_float=_Number,
+            parse_constant=_parse_constant,
+        )
+    except UnicodeDecodeError as exc:
+        raise InvalidBody(f"safetensors header is not valid UTF-8: {exc.reason}") from None
+    except json.JSONDecodeError as exc:
         raise InvalidBody(f"safetensors header is not valid JSON: {exc}") from None
+    except _Refused as exc:
+        raise InvalidBody(f"safetensors header is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidBody("safetensors header nests too deeply") from None
+
+
+def parse_header(raw: bytes | bytearray | memoryview, expected_dtype: str) -> TensorHeader:
+    """Parse the JSON header (without the 8-byte prefix) of a single-tensor body.
+
+    Raises ``InvalidBody`` (or its ``DtypeMismatch``) for anything it does not accept,
+    whatever the input: hostile headers are 400s, never 500s.
+    """
+    try:
+        return _parse_header(raw, expected_dtype)
+    except ECError:
+        raise
+    except Exception as exc:  # a bug here must still answer 400, not a traceback
+        raise InvalidBody(f"safetensors header is not valid ({type(exc).__name__})") from None
+
+
+def _parse_header(raw: bytes | bytearray | memoryview, expected_dtype: str) -> TensorHeader:
+    header = _load_json(raw)
     if not isinstance(header, dict):
         raise InvalidBody("safetensors header must be a JSON object")
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (
-        isinstance(metadata, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise InvalidBody("safetensors __metadata__ must map strings to strings")
     if len(header) != 1:
         raise InvalidBody(f"body must hold exactly one tensor, found {len(header)}")
     ((name, info),) = header.items()
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-        raise InvalidBody(f"tensor {name!r} needs exactly dtype, shape and data_offsets")
+        raise InvalidBody(f"tensor {name[:64]!r} needs exactly dtype, shape and data_offsets")
 
     code = info["dtype"]
     if code != DTYPES[expected_dtype][0]:
-        found = _NAME_BY_CODE.get(code, code) if isinstance(code, str) else repr(code)
+        found = _NAME_BY_CODE.get(code, code[:64]) if isinstance(code, str) else _short(code)
         raise DtypeMismatch(f"body holds {found} but the path says {expected_dtype}", part="dtype")
     shape = info["shape"]
-    if not isinstance(shape, list) or not all(
-        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
-    ):
-        raise InvalidBody("tensor shape must be a list of non-negative integers")
+    if not isinstance(shape, list) or not all(_is_u64(dim) for dim in shape):
+        raise InvalidBody("tensor shape must be a list of integers from 0 to 2**64 - 1")
+    if len(shape) > MAX_DIMS:
+        raise InvalidBody(f"tensor has {len(shape)} dimensions, more than {MAX_DIMS}")
+    itemsize = DTYPES[expected_dtype][1]
+    if math.prod(max(dim, 1) for dim in shape) * itemsize > MAX_TENSOR_BYTES:
+        raise InvalidBody(
+            f"tensor shape {_short(shape)} is too large: the product of its dimensions (0 counted "
+            f"as 1) times the {itemsize}-byte item size exceeds 2**63 - 1"
+        )
     result = TensorHeader(expected_dtype, tuple(shape), len(raw))
     offsets = info["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(o) for o in offsets)):
+        raise InvalidBody(f"data_offsets {_short(offsets)} must be a list of two unsigned integers")
     if offsets != [0, result.data_length]:
         raise InvalidBody(
-            f"data_offsets {offsets!r} do not match shape {shape} of {expected_dtype}: "
+            f"data_offsets {_short(offsets)} do not match shape {_short(shape)} of {expected_dtype}: "
             f"expected [0, {result.data_length}]"
         )
     return result

@@ -12,7 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.auth import AnonymousAccess
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+# re.ASCII: \d is 0-9 only (int() would take any Unicode digit), \s ASCII whitespace.
+_SIZE_RE = re.compile(r"\s*([0-9]+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE | re.ASCII)
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
@@ -20,7 +21,7 @@ def parse_size(value: Any) -> int:
     """Parse ``1048576``, ``512KiB``, ``10GiB`` (binary units) into bytes."""
     if isinstance(value, int):
         return value
-    match = _SIZE_RE.match(str(value))
+    match = _SIZE_RE.fullmatch(str(value))
     if match is None:
         raise ValueError(f"{value!r} is not a size: use bytes or a KiB/MiB/GiB/TiB suffix")
     number, unit = match.groups()

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from app.errors import NotFound, Unavailable
+from app.errors import ECError, NotFound, Unavailable
 from app.keys import EntryKey, key_digest
 from app.metrics import Metrics
 from app.namespaces import Purges
@@ -222,7 +222,26 @@ class Store:
                 pending.abort()
         if created:
             self.metrics.bytes_received.inc(validator.received)
-        return PutResult(created, validator.received, validator.crc)
+            return PutResult(True, validator.received, validator.crc)
+        # Lost the first-writer race: answer with what is stored, not with this body.
+        stored = await self._stored_info(key)
+        if stored is None:  # removed again since (DELETE, eviction): nothing better to say
+            return PutResult(False, validator.received, validator.crc)
+        return PutResult(False, stored.size, stored.crc32c)
+
+    async def _stored_info(self, key: EntryKey) -> EntryInfo | None:
+        """The stored entry's description, for a PUT that stored nothing."""
+        info = self.disk.info(key)
+        if info is None:
+            body = await self._open_disk(key)
+            if body is not None:  # known after a restart only once verified, as by a GET
+                info = body.info
+                if body.buffer is not None:
+                    body.buffer.release()
+        if info is None and self.s3 is not None:
+            with contextlib.suppress(ECError):  # S3 gone since: no better answer
+                info = await self.s3.head(key)
+        return info
 
     async def _commit(
         self, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader

@@ -113,19 +113,26 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"![scale]({PLOTS['scale']})",
             "",
-            f"{scale['payload']} ({_mb(scale['entry_bytes'])}); clients are "
-            f"{scale['clients_are']}.",
+            f"Clients are {scale['clients_are']}. `x urllib3` is the contender's MB/s over "
+            "urllib3's against the same ec-cache server in the same run.",
             "",
-            "| clients | contender | MB/s (aggregate) | p50 ms | p99 ms |",
-            "|---|---|---|---|---|",
         ]
-        for clients, level in scale["levels"].items():
-            for label, row in level.items():
-                out.append(
-                    f"| {clients} | {label} | {row['mb_per_s_median']:.0f} | "
-                    f"{_f(row['p50_ms'])} | {_f(row['p99_ms'])} |"
-                )
-        out.append("")
+        for name, entry in scale["payloads"].items():
+            out += [
+                f"### {name} ({_mb(entry['entry_bytes'])})",
+                "",
+                "| clients | contender | MB/s (aggregate) | x urllib3 | p50 ms | p99 ms |",
+                "|---|---|---|---|---|---|",
+            ]
+            for clients, level in entry["levels"].items():
+                reference = level.get("ec-cache urllib3, threads", {}).get("mb_per_s_median")
+                for label, row in level.items():
+                    ratio = row["mb_per_s_median"] / reference if reference else float("nan")
+                    out.append(
+                        f"| {clients} | {label} | {row['mb_per_s_median']:.0f} | {ratio:.2f} | "
+                        f"{_f(row['p50_ms'])} | {_f(row['p99_ms'])} |"
+                    )
+            out.append("")
     mem = results.get("memory")
     if mem:
         peak = mem["peak_during"]
@@ -251,21 +258,23 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
             save(fig, key)
     scale = results.get("scale")
     if scale:
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        clients = [int(c) for c in scale["levels"]]
-        labels = list(next(iter(scale["levels"].values())))
-        for label in labels:
-            rows = [scale["levels"][str(c)][label] for c in clients]
-            left.plot(clients, [r["mb_per_s_median"] for r in rows], marker="o", label=label)
-            right.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
-        for ax, title in ((left, "aggregate MB/s"), (right, "p99 latency ms")):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(clients)
-            ax.set_xticklabels([str(c) for c in clients])
-            ax.set_xlabel("concurrent clients")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+        entries = scale["payloads"]
+        fig, axes = plt.subplots(len(entries), 2, figsize=(10, 4 * len(entries)), squeeze=False)
+        for (name, entry), (left, right) in zip(entries.items(), axes, strict=True):
+            clients = [int(c) for c in entry["levels"]]
+            labels = list(next(iter(entry["levels"].values())))
+            for label in labels:
+                rows = [entry["levels"][str(c)][label] for c in clients]
+                left.plot(clients, [r["mb_per_s_median"] for r in rows], marker="o", label=label)
+                right.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
+            for ax, title in ((left, "aggregate MB/s"), (right, "p99 latency ms")):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(clients)
+                ax.set_xticklabels([str(c) for c in clients])
+                ax.set_xlabel("concurrent clients")
+                ax.set_title(f"{name}: {title}")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
         save(fig, "scale")
     lookups = results.get("lookups")
     if lookups:

@@ -1,14 +1,18 @@
-"""Timing machinery: interleaved rounds of sequential requests, and N concurrent clients."""
+"""Timing machinery: interleaved rounds of sequential requests, and N concurrent clients
+(threads, or asyncio tasks on one event loop)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.stats import median, percentile
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -127,3 +131,48 @@ def concurrent(
     if errors:
         raise errors[0]
     return wall, [s for per in latencies for s in per], sum(moved)
+
+
+class EventLoopThread:
+    """One asyncio event loop running in a thread of its own, so that an
+    ``AsyncClient`` (bound to its loop) keeps its connections between measurements."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+def concurrent_tasks(
+    loop: EventLoopThread,
+    op: Callable[[int, int], Awaitable[int]],
+    clients: int,
+    per_client: int,
+) -> tuple[float, list[float], int]:
+    """``clients`` asyncio tasks on ``loop``, each awaiting ``per_client`` requests
+    ``op(client, i)``; returns what :func:`concurrent` returns."""
+
+    async def run_all() -> tuple[float, list[float], int]:
+        latencies: list[list[float]] = [[] for _ in range(clients)]
+        moved = [0] * clients
+
+        async def task(index: int) -> None:
+            for i in range(per_client):
+                start = time.perf_counter()
+                moved[index] += await op(index, i)
+                latencies[index].append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(task(n) for n in range(clients)))
+        wall = time.perf_counter() - start
+        return wall, [s for per in latencies for s in per], sum(moved)
+
+    return loop.run(run_all())

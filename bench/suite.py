@@ -8,6 +8,7 @@ import platform
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from bench.contenders import (
     get_contenders,
     put_contenders,
     remove_quietly,
+    same_bits,
     write_local_file,
     write_nginx_file,
 )
@@ -38,7 +40,7 @@ from bench.payloads import (
     Payload,
     mixed_workload,
 )
-from bench.runner import concurrent, interleaved
+from bench.runner import EventLoopThread, concurrent, concurrent_tasks, interleaved
 from bench.services import (
     MemorySampler,
     Services,
@@ -52,6 +54,9 @@ from tests.support.server import ServerProcess
 
 MiB = 1024 * 1024
 S3_PREFIX = "ec"
+SCALE_SDK_THREADS = "ec-cache SDK, threads"
+SCALE_SDK_TASKS = "ec-cache AsyncClient, asyncio tasks"
+SCALE_URLLIB3 = "ec-cache urllib3, threads"
 
 
 @dataclass
@@ -72,7 +77,8 @@ class Plan:
     exists_reps: int = 50
     absent_exists: int = 100
     absent_reps: int = 5
-    scale_payload: Payload = FULL_PAYLOADS[1]
+    #: 4.7 MB and 19.3 MB; 67 MB x 64 clients would hold 4.3 GB of results at once
+    scale_payloads: list[Payload] = field(default_factory=lambda: FULL_PAYLOADS[1:3])
     scale_clients: tuple[int, ...] = (1, 4, 16, 64)
     scale_rounds: int = 3
     scale_requests: int = 64  # per level and contender, at least 2 per client
@@ -115,7 +121,7 @@ class Plan:
             exists_reps=3,
             absent_exists=10,
             absent_reps=1,
-            scale_payload=QUICK_PAYLOADS[1],
+            scale_payloads=QUICK_PAYLOADS[1:2],
             scale_rounds=1,
             scale_requests=8,
             rss_payload=QUICK_PAYLOADS[1],
@@ -389,43 +395,101 @@ def lookups(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
 
 
 def scale(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
-    """Throughput and p99 of disk-hit GETs at 1..64 concurrent clients (threads)."""
+    """Throughput and p99 of disk-hit GETs at 1..64 concurrent clients, per payload:
+    the SDK from threads (one shared ``Client``) and from asyncio tasks (one shared
+    ``AsyncClient``) against urllib3 (one pool) on the same ec-cache server, with
+    nginx+urllib3 as the ceiling."""
     nginx = svc.nginx()
-    payload = plan.scale_payload
     srv = svc.server("scale", disk_max_bytes="4GiB")
-    tensor = payload.tensor(seed=42)
-    client = _client(srv.url, max_keepalive=64, concurrency=64)
-    client.put("scale", tensor)
-    (nginx.www / "scale.safetensors").write_bytes(payload.body(tensor))
-    pool = urllib3.HTTPConnectionPool("127.0.0.1", nginx.port, maxsize=64, block=True)
-    ec_pool = urllib3.HTTPConnectionPool("127.0.0.1", srv.port, maxsize=64, block=True)
+    most = max(plan.scale_clients)
+    client = _client(srv.url, max_keepalive=most, concurrency=most)
+    loop = EventLoopThread()
+    aclient = ec_cache.AsyncClient(
+        srv.url, model=MODEL, dtype=DTYPE, limits=ec_cache.Limits(max_keepalive=most)
+    )
+    pool = urllib3.HTTPConnectionPool("127.0.0.1", nginx.port, maxsize=most, block=True)
+    ec_pool = urllib3.HTTPConnectionPool("127.0.0.1", srv.port, maxsize=most, block=True)
+    payloads: dict[str, Any] = {}
+    try:
+        for payload in plan.scale_payloads:
+            key = f"scale-{payload.name}"
+            tensor = payload.tensor(seed=42)
+            client.put(key, tensor)
+            (nginx.www / f"{key}.safetensors").write_bytes(payload.body(tensor))
+            got = loop.run(aclient.get(key))
+            if got is None or not same_bits(got, tensor):
+                raise RuntimeError("AsyncClient read back other bits")
+            payloads[payload.name] = {
+                "entry_bytes": payload.size,
+                "levels": _scale_levels(
+                    plan, log, payload, key, client, aclient, loop, pool, ec_pool
+                ),
+            }
+            client.delete(key)
+            remove_quietly(nginx.www / f"{key}.safetensors")
+    finally:
+        client.close()
+        loop.run(aclient.aclose())
+        loop.close()
+        pool.close()
+        ec_pool.close()
+        svc.stop_server(srv)
+    return {
+        "clients_are": (
+            "threads of one process sharing one SDK Client / urllib3 pool, or asyncio "
+            "tasks on one event loop sharing one AsyncClient"
+        ),
+        "payloads": payloads,
+        "loadavg_after": load_average(),
+    }
+
+
+def _scale_levels(
+    plan: Plan,
+    log: Any,
+    payload: Payload,
+    key: str,
+    client: ec_cache.Client,
+    aclient: ec_cache.AsyncClient,
+    loop: EventLoopThread,
+    pool: urllib3.HTTPConnectionPool,
+    ec_pool: urllib3.HTTPConnectionPool,
+) -> dict[str, Any]:
+    path = f"/ec/{MODEL}/{DTYPE}/{key}"
 
     def sdk(_: int, __: int) -> int:
-        if client.get("scale") is None:
+        if client.get(key) is None:
+            raise RuntimeError("miss")
+        return payload.size
+
+    async def sdk_async(_: int, __: int) -> int:
+        if await aclient.get(key) is None:
             raise RuntimeError("miss")
         return payload.size
 
     def ngx(_: int, __: int) -> int:
-        return len(pool.request("GET", "/scale.safetensors").data)
+        return len(pool.request("GET", f"/{key}.safetensors").data)
 
     def ec_urllib3(_: int, __: int) -> int:
-        return len(ec_pool.request("GET", f"/ec/{MODEL}/{DTYPE}/scale").data)
+        return len(ec_pool.request("GET", path).data)
 
-    contenders = {
-        "nginx+urllib3": ngx,
-        "ec-cache SDK, disk hit": sdk,
-        "ec-cache urllib3, disk hit": ec_urllib3,
+    Run = Callable[[int, int], tuple[float, list[float], int]]
+    contenders: dict[str, Run] = {
+        "nginx+urllib3": lambda n, k: concurrent(ngx, n, k),
+        SCALE_SDK_THREADS: lambda n, k: concurrent(sdk, n, k),
+        SCALE_SDK_TASKS: lambda n, k: concurrent_tasks(loop, sdk_async, n, k),
+        SCALE_URLLIB3: lambda n, k: concurrent(ec_urllib3, n, k),
     }
     levels: dict[str, Any] = {}
     for clients in plan.scale_clients:
         per_client = max(2, plan.scale_requests // clients)
         raw: dict[str, list[tuple[float, list[float], int]]] = {k: [] for k in contenders}
-        for op in contenders.values():
-            concurrent(op, clients, 1)  # open the connections
+        for run in contenders.values():
+            run(clients, 1)  # open the connections
         for round_index in range(plan.scale_rounds):
             order = list(contenders) if round_index % 2 == 0 else list(reversed(contenders))
             for label in order:
-                raw[label].append(concurrent(contenders[label], clients, per_client))
+                raw[label].append(contenders[label](clients, per_client))
         level: dict[str, Any] = {}
         for label, runs in raw.items():
             flat = [s for _, seconds, _ in runs for s in seconds]
@@ -436,18 +500,8 @@ def scale(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
                 "requests": len(flat),
             }
         levels[str(clients)] = level
-        log(f"scale: {clients} clients done")
-    client.close()
-    pool.close()
-    ec_pool.close()
-    svc.stop_server(srv)
-    return {
-        "payload": payload.name,
-        "entry_bytes": payload.size,
-        "clients_are": "threads of one process; one shared SDK Client / urllib3 pool",
-        "levels": levels,
-        "loadavg_after": load_average(),
-    }
+        log(f"scale: {payload.name}, {clients} clients done")
+    return levels
 
 
 # --------------------------------------------------------------------------- memory
@@ -667,6 +721,19 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                     put["nginx DAV PUT"]["mb_per_s_median"],
                 )
             )
+    for name, entry in results.get("scale", {}).get("payloads", {}).items():
+        if entry["entry_bytes"] < 4_700_000:
+            continue
+        for clients, level in entry["levels"].items():
+            for label in (SCALE_SDK_THREADS, SCALE_SDK_TASKS):
+                rows.append(
+                    _ratio_row(
+                        f"{label} vs urllib3, same server, {clients} clients, {name}",
+                        1.0,
+                        level[label]["mb_per_s_median"],
+                        level[SCALE_URLLIB3]["mb_per_s_median"],
+                    )
+                )
     lookup_rows = results.get("lookups", {}).get("rows", {})
     batch = lookup_rows.get("exists_many 1000 present")
     head = lookup_rows.get("ec-cache SDK head, interleaved")

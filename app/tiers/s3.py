@@ -42,6 +42,7 @@ import botocore.exceptions as bce
 from botocore.config import Config
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from app import wire
 from app.checksum import crc32c as crc32c_of
 
 if TYPE_CHECKING:
@@ -340,12 +341,8 @@ class Readiness:
 def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
     text = metadata.get(METADATA_CRC_KEY)
     if text:
-        try:
-            value = int(text, 16)
-        except ValueError:
-            value = -1
-        if 0 <= value <= 0xFFFFFFFF and len(text) <= 8:
-            return value
+        with contextlib.suppress(ValueError):
+            return wire.loose_hex32(text)
     if checksum and "-" not in checksum:  # "...-N" is a composite multipart checksum
         return crc32c_from_b64(checksum)
     return None

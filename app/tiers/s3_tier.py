@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 import anyio.to_thread
 from prometheus_client import CollectorRegistry, Counter
 
+from app import wire
 from app.checksum import to_hex
 from app.errors import ChecksumMismatch, ECError, Unavailable
 from app.keys import EntryKey
@@ -101,8 +102,8 @@ def _header_from_metadata(key: EntryKey, info: ObjectInfo) -> TensorHeader | Non
     meta = info.metadata
     try:
         shape_text = meta[META_SHAPE]
-        shape = tuple(int(dim) for dim in shape_text.split(",")) if shape_text else ()
-        header = TensorHeader(key.dtype, shape, int(meta[META_HEADER_LENGTH]))
+        shape = tuple(wire.decimal(dim) for dim in shape_text.split(",")) if shape_text else ()
+        header = TensorHeader(key.dtype, shape, wire.decimal(meta[META_HEADER_LENGTH]))
     except (KeyError, ValueError):
         return None
     if meta.get(META_DTYPE, key.dtype) != key.dtype or header.total_length != info.size:

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ._async_client import AsyncClient
+from ._async.client import AsyncClient
 from ._buffers import BufferPool
-from ._client import Client
 from ._config import Limits, Retries, Timeouts
 from ._exceptions import (
     ConnectError,
@@ -31,6 +30,7 @@ from ._exceptions import (
     TransportTimeout,
     UnavailableError,
 )
+from ._sync.client import Client
 from ._tensors import DTYPES, EntryInfo
 
 __all__ = [

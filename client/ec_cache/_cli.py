@@ -14,7 +14,6 @@ from typing import Any, NoReturn
 import torch
 
 from . import _cli_ops
-from ._client import Client
 from ._config import Retries, Timeouts
 from ._exceptions import (
     ECCacheError,
@@ -22,6 +21,7 @@ from ._exceptions import (
     InvalidKeyError,
     InvalidTensorError,
 )
+from ._sync.client import Client
 from ._tensors import (
     DTYPES,
     EntryInfo,

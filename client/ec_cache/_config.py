@@ -90,18 +90,26 @@ class Limits:
     """Concurrency and pooling.
 
     * ``concurrency``: requests in flight at once in ``get_many``/``put_many``.
+    * ``max_connections``: requests in flight at once per replica, each on its own
+      connection; one more waits for a free connection up to ``Timeouts.pool``.
     * ``max_keepalive``: idle keep-alive connections kept per replica.
     * ``keepalive_expiry``: seconds an idle connection is kept (below uvicorn's 5 s
       default so that the client drops it before the server does).
     * ``buffer_pool_bytes``: bytes of staging buffers (pinned when CUDA is present)
       kept for reuse between requests.
+    * ``max_body_bytes``: largest entry a ``get`` accepts (a larger one, or a header
+      describing one, is an ``IntegrityError`` before any memory is allocated).
     """
 
     concurrency: int = 8
     max_keepalive: int = 16
     keepalive_expiry: float = 4.0
     buffer_pool_bytes: int = 512 * 1024 * 1024
+    max_connections: int = 100
+    max_body_bytes: int = 16 * 1024**3
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("Limits.concurrency must be >= 1")
+        if self.max_connections < 1:
+            raise ValueError("Limits.max_connections must be >= 1")

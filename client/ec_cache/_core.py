@@ -1,5 +1,9 @@
-"""What the sync and async clients share: paths, request bodies, response checks and
-the sans-I/O receiving of a tensor body."""
+"""What the sync and async clients share (no I/O here): configuration, paths, request
+bodies, response checks and the sans-I/O receiving of a tensor body.
+
+The I/O is written once, as asyncio code, in :mod:`ec_cache._async`;
+:mod:`ec_cache._sync` is generated from it (``scripts/unasync.py``).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 from . import _cuda
 from ._buffers import BufferPool, PooledBuffer
+from ._config import Limits, Retries, Timeouts
 from ._crc import Crc32c
 from ._exceptions import (
     ConnectError,
@@ -21,14 +26,18 @@ from ._exceptions import (
     ServerError,
     TransportError,
     TransportTimeout,
+    UnavailableError,
 )
-from ._http11 import split_chunks
+from ._routing import Router
 from ._tensors import (
     DTYPES,
     EntryInfo,
     TensorMeta,
     build_header,
+    check_hash,
+    check_model,
     check_tensor,
+    parse_dtype,
     parse_header,
     parse_header_length,
     parse_shape,
@@ -39,6 +48,120 @@ Progress = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called as a body goes out or comes in."""
 
 EXISTS_BATCH = 1000
+
+Device = torch.device | str | int | None
+"""Where a result goes: a ``torch.device``, its name, or a CUDA ordinal."""
+
+
+def device_of(device: Device) -> torch.device | None:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def split_chunks(data: memoryview | bytes, size: int = 8 << 20) -> list[memoryview | bytes]:
+    """``data`` in slices of at most ``size`` bytes (no copies)."""
+    if len(data) <= size:
+        return [data]
+    mv = memoryview(data)
+    return [mv[i : i + size] for i in range(0, len(mv), size)]
+
+
+class ClientBase:
+    """The configuration and the non-I/O logic of :class:`~ec_cache.Client` and
+    :class:`~ec_cache.AsyncClient`."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        *,
+        model: str,
+        dtype: torch.dtype | str,
+        timeouts: Timeouts | float | None,
+        retries: Retries | int | None,
+        limits: Limits | None,
+        raise_on_unavailable: bool,
+        verify: bool,
+    ) -> None:
+        self.model = check_model(model)
+        self.dtype = parse_dtype(dtype)
+        self.router = Router([url] if isinstance(url, str) else url)
+        self.timeouts = Timeouts() if timeouts is None else Timeouts.of(timeouts)
+        self.retries = Retries() if retries is None else Retries.of(retries)
+        self.limits = limits or Limits()
+        self.raise_on_unavailable = raise_on_unavailable
+        self.verify = verify
+        self.pool = BufferPool(self.limits.buffer_pool_bytes)
+
+    @property
+    def own_transport(self) -> bool:
+        """Whether the SDK's transport can serve every replica (``http://`` only)."""
+        return all(u.startswith("http://") for u in self.router.urls)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.router.urls)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.router.urls!r}, model={self.model!r}, "
+            f"dtype={self.dtype!r})"
+        )
+
+    def _path(self, hash: str) -> str:
+        return f"/ec/{self.model}/{self.dtype}/{check_hash(hash)}"
+
+    def _exists_path(self) -> str:
+        return f"/ec/{self.model}/{self.dtype}/_exists"
+
+    def _order(self, hash: str) -> list[str]:
+        return self.router.order(self.model, self.dtype, hash)
+
+    def _put_headers(self, body: PutBody, conditional: bool) -> dict[str, str]:
+        headers = body.headers()
+        if conditional:
+            # The server answers 412 before reading the body when the entry exists, and
+            # with ``Expect`` the body is not even sent.
+            headers["If-None-Match"] = "*"
+            headers["Expect"] = "100-continue"
+        return headers
+
+    def _error_from(self, response: httpx.Response, body: bytes, url: str) -> BaseException:
+        error = error_for(response, body, url)
+        if response.status_code in self.retries.statuses:
+            return RetryableStatus(error)
+        return error
+
+    def _is_miss(self, error: BaseException) -> bool:
+        """Whether an error answer to a read counts as a miss (503 unless asked)."""
+        return isinstance(error, UnavailableError) and not self.raise_on_unavailable
+
+    def _receiver(
+        self,
+        response: httpx.Response,
+        url: str,
+        device: torch.device | None,
+        out: torch.Tensor | None,
+    ) -> Receiver:
+        return Receiver(
+            dtype=self.dtype,
+            resp=response,
+            url=url,
+            device=device,
+            out=out,
+            pool=self.pool,
+            verify=self.verify,
+            max_bytes=self.limits.max_body_bytes,
+        )
+
+    def _timeout(self) -> httpx.Timeout:
+        return self.timeouts.to_httpx()
 
 
 def exists_batches(
@@ -204,8 +327,10 @@ class Receiver:
         out: torch.Tensor | None,
         pool: BufferPool,
         verify: bool,
+        max_bytes: int | None = None,
     ) -> None:
         self.dtype = dtype
+        self.max_bytes = max_bytes
         self.url = url
         self.headers = resp.headers
         length = resp.headers.get("content-length")
@@ -230,6 +355,11 @@ class Receiver:
         """Check the header against the client and the ``X-EC-*`` headers, and return
         the memory the tensor data must be received into."""
         meta = parse_header(header, total=self.total)
+        if self.max_bytes is not None and meta.total > self.max_bytes:
+            raise IntegrityError(
+                f"{self.url}: entry of {meta.total} bytes is larger than "
+                f"Limits.max_body_bytes ({self.max_bytes})"
+            )
         self.meta = meta
         h = self.headers
         if meta.dtype != self.dtype:
@@ -312,43 +442,6 @@ def _typed_view(
 def check_body_end(extra: int) -> None:
     if extra:
         raise IntegrityError("body is longer than its safetensors header describes")
-
-
-class IterReader:
-    """``readinto`` over a plain httpx byte iterator (stock transports, https)."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks = chunks
-        self._left = memoryview(b"")
-
-    def readinto(self, mv: memoryview) -> int:
-        while not self._left:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._left = memoryview(chunk)
-        n = min(len(mv), len(self._left))
-        mv[:n] = self._left[:n]
-        self._left = self._left[n:]
-        return n
-
-
-class AsyncIterReader:
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks = chunks
-        self._left = memoryview(b"")
-
-    async def readinto(self, mv: memoryview) -> int:
-        while not self._left:
-            try:
-                chunk = await self._chunks.__anext__()
-            except StopAsyncIteration:
-                return 0
-            self._left = memoryview(chunk)
-        n = min(len(mv), len(self._left))
-        mv[:n] = self._left[:n]
-        self._left = self._left[n:]
-        return n
 
 
 def json_body(resp_content: bytes, url: str) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ._exceptions import IntegrityError, InvalidKeyError, InvalidTensorError
+from ._keys import DTYPE_NAMES, hash_error, model_error
 
 __all__ = [
     "DTYPES",
@@ -38,8 +39,10 @@ __all__ = [
 
 TENSOR_NAME = "tensor"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+MAX_DIMS = 64
+MAX_DIM = 2**63 - 1  # torch sizes are int64
 
-# wire name -> (torch dtype, safetensors dtype code). Keep in sync with DESIGN.md.
+# wire name -> (torch dtype, safetensors dtype code), in the order of _keys.DTYPE_NAMES.
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float32": (torch.float32, "F32"),
     "float16": (torch.float16, "F16"),
@@ -54,11 +57,9 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "int64": (torch.int64, "I64"),
     "bool": (torch.bool, "BOOL"),
 }
+assert tuple(DTYPES) == DTYPE_NAMES  # one list of names (ec_cache._keys)
 _BY_TORCH = {dt: name for name, (dt, _) in DTYPES.items()}
 _BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
-
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._@+-]+$")
-_HASH_RE = re.compile(r"^[A-Za-z0-9._:-]{1,256}$")
 
 
 def parse_dtype(dtype: torch.dtype | str) -> str:
@@ -87,21 +88,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_model(model: str) -> str:
     """Validate a model name (``/``-separated segments); returns it unchanged."""
-    if not isinstance(model, str) or not model:
-        raise InvalidKeyError("model must be a non-empty string")
-    if len(model.encode()) > 256:
-        raise InvalidKeyError("model is longer than 256 bytes")
-    for segment in model.split("/"):
-        if segment in ("", ".", "..") or not _SEGMENT_RE.match(segment):
-            raise InvalidKeyError(
-                f"model {model!r}: segment {segment!r} is not letters, digits, . _ @ + -"
-            )
+    error = model_error(model)
+    if error is not None:
+        raise InvalidKeyError(error)
     return model
 
 
 def check_hash(value: str) -> str:
-    if not isinstance(value, str) or not _HASH_RE.match(value):
-        raise InvalidKeyError(f"hash {value!r} is not 1-256 characters of letters, digits, . _ : -")
+    error = hash_error(value)
+    if error is not None:
+        raise InvalidKeyError(error)
     return value
 
 
@@ -189,7 +185,7 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     """
     try:
         data: Any = json.loads(bytes(header))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # also int()'s digit limit, deep nesting
         raise IntegrityError(f"safetensors header is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise IntegrityError("safetensors header is not a JSON object")
@@ -200,11 +196,21 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     if not isinstance(entry, dict):
         raise IntegrityError("safetensors tensor entry is not an object")
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in _BY_CODE:
-        raise IntegrityError(f"safetensors dtype {code!r} is not stored by ec-cache")
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise IntegrityError(f"safetensors shape {shape!r} is not a list of sizes")
+    if not isinstance(code, str) or code not in _BY_CODE:
+        raise IntegrityError(f"safetensors dtype {code!r:.80} is not stored by ec-cache")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_DIMS
+        and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+    ):
+        raise IntegrityError(f"safetensors shape {str(shape)[:200]} is not a list of sizes")
     meta = TensorMeta(_BY_CODE[code], tuple(shape), len(header))
+    # torch sizes tensors in signed 64-bit, even with no elements (zero dims count as 1).
+    itemsize = DTYPES[meta.dtype][0].itemsize
+    if math.prod(max(d, 1) for d in shape) * itemsize >= 1 << 63:
+        raise IntegrityError(f"safetensors shape {shape!r:.80} is too large for a tensor")
+    if not (isinstance(offsets, list) and all(type(o) is int for o in offsets)):
+        raise IntegrityError(f"safetensors data_offsets {offsets!r:.80} are not integers")
     if offsets != [0, meta.nbytes]:
         raise IntegrityError(
             f"safetensors data_offsets {offsets!r} do not match shape {shape} ({meta.nbytes} B)"
@@ -214,11 +220,23 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
     return meta
 
 
+_DIM_RE = re.compile(r"[0-9]{1,19}")
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
+    """``X-EC-Shape`` (``"576,4096"``; empty for a scalar); ``ValueError`` unless every
+    part is plain decimal digits (no sign, ``_``, spaces or non-ASCII digits).
+
+    >>> parse_shape("576,4096"), parse_shape("")
+    ((576, 4096), ())
+    """
     text = text.strip()
     if not text:
         return ()
-    return tuple(int(part) for part in text.split(","))
+    parts = text.split(",")
+    if len(parts) > MAX_DIMS or not all(_DIM_RE.fullmatch(p) for p in parts):
+        raise ValueError(f"bad shape {text[:80]!r}")
+    return tuple(int(part) for part in parts)
 
 
 def tensor_memoryview(tensor: torch.Tensor) -> memoryview:

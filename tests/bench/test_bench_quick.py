@@ -35,6 +35,12 @@ PUT_CONTENDERS = {
     "boto3 put_object",
     "safetensors save_file (node-local)",
 }
+SCALE_CONTENDERS = {
+    "nginx+urllib3",
+    "ec-cache SDK, threads",
+    "ec-cache AsyncClient, asyncio tasks",
+    "ec-cache urllib3, threads",
+}
 PLOTS = ["get_throughput.png", "put_throughput.png", "scale.png", "lookups.png", "eviction.png"]
 
 
@@ -89,11 +95,13 @@ def test_quick_run_writes_every_contender(quick_run: Path) -> None:
         "exists_many 1000 present",
     ):
         assert _number(rows[key]["p50_ms"]), key
-    levels = results["scale"]["levels"]
-    assert set(levels) == {"1", "4", "16", "64"}
-    for level in levels.values():
-        for row in level.values():
-            assert _number(row["mb_per_s_median"]) and _number(row["p99_ms"])
+    for entry in results["scale"]["payloads"].values():
+        levels = entry["levels"]
+        assert set(levels) == {"1", "4", "16", "64"}
+        for level in levels.values():
+            assert set(level) == SCALE_CONTENDERS
+            for row in level.values():
+                assert _number(row["mb_per_s_median"]) and _number(row["p99_ms"])
     memory = results["memory"]
     assert memory["clients"] == 64 and memory["peak_during"]["VmHWM"] > 0
     assert "RssAnon" in memory["peak_during"]

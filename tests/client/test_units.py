@@ -16,7 +16,7 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
-from ec_cache import _crc, _http11
+from ec_cache import _crc
 from ec_cache._buffers import BufferPool
 from ec_cache._config import Limits, Retries, Timeouts
 from ec_cache._core import Receiver, encode_put
@@ -398,49 +398,6 @@ def test_router_urls() -> None:
         Router([])
     with pytest.raises(ValueError):
         Router(["ftp://x"])
-
-
-# -- HTTP parsing ------------------------------------------------------------------------
-def test_parse_response_head() -> None:
-    req = httpx.Request("GET", "http://x/")
-    head = _http11.parse_response_head(
-        b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nX-EC-Shape: 1,2\r\n\r\n", req
-    )
-    assert (head.status, head.content_length, head.keep_alive, head.chunked) == (
-        200,
-        12,
-        True,
-        False,
-    )
-    head = _http11.parse_response_head(
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n", req
-    )
-    assert head.chunked and not head.keep_alive and head.content_length is None
-    head = _http11.parse_response_head(b"HTTP/1.0 200 OK\r\n\r\n", req)
-    assert not head.keep_alive and head.content_length is None
-    head = _http11.parse_response_head(
-        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", httpx.Request("HEAD", "http://x/")
-    )
-    assert head.content_length == 0
-    for bad in [
-        b"HTTP/2 200\r\n\r\n",
-        b"HTTP/1.1 20x OK\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nContent-Length: a\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nbroken\r\n\r\n",
-    ]:
-        with pytest.raises(httpx.RemoteProtocolError):
-            _http11.parse_response_head(bad, req)
-
-
-def test_request_head() -> None:
-    req = httpx.Request(
-        "PUT",
-        "http://h:1/ec/Qwen/Qwen2-VL/bfloat16/abc?x=1",
-        headers={"X-EC-CRC32C": "00ff00ff", "Content-Length": "3"},
-    )
-    head = _http11.request_head(req)
-    assert head.startswith(b"PUT /ec/Qwen/Qwen2-VL/bfloat16/abc?x=1 HTTP/1.1\r\n")
-    assert b"\r\nX-EC-CRC32C: 00ff00ff\r\n" in head and head.endswith(b"\r\n\r\n")
 
 
 # -- config ------------------------------------------------------------------------------

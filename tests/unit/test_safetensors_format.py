@@ -63,7 +63,7 @@ def test_dtype_mismatch_names_both() -> None:
         (struct.pack("<Q", 1) + b"{", "too small"),
         (struct.pack("<Q", 8) + b"not json", "not valid JSON"),
         (struct.pack("<Q", 8) + b"[1,2,3] ", "JSON object"),
-        (struct.pack("<Q", 4) + b"\xff\xfe{}", "not valid JSON"),
+        (struct.pack("<Q", 4) + b"\xff\xfe{}", "not valid UTF-8"),
     ],
 )
 def test_malformed_headers(data: bytes, message: str) -> None:
@@ -139,3 +139,87 @@ def test_header_json_is_checked_for_exactly_one_key_even_when_padded() -> None:
     raw += b" " * 9
     data = struct.pack("<Q", len(raw)) + raw + b"ab"
     assert validate_body(data, "uint8").data_offset == 8 + len(raw)
+
+
+def _header_body(header: str, data: bytes = b"") -> bytes:
+    raw = header.encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "[" * 60_000 + "]" * 60_000,  # RecursionError in json
+        '{"t":' * 20_000 + "1" + "}" * 20_000,
+        '{"t":{"dtype":"U8","shape":[' + "9" * 5000 + '],"data_offsets":[0,1]}}',  # int() limit
+        '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,' + "1" * 5000 + "]}}",
+        '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + "7" * 5000 + "}}",
+        '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1e999999]}}',
+        '{"t":{"dtype":"U8","shape":[NaN],"data_offsets":[0,1]}}',
+        '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,Infinity]}}',
+        '{"t":{"dtype":[[[[]]]],"shape":[1],"data_offsets":[0,1]}}',
+        '{"t":{"dtype":{"a":1},"shape":[1],"data_offsets":[0,1]}}',
+    ],
+)
+def test_hostile_headers_are_invalid_bodies_whatever_python_raises(header: str) -> None:
+    data = _header_body(header, b"\0")
+    with pytest.raises(InvalidBody):
+        validate_body(data, "uint8")
+    with pytest.raises(InvalidBody):
+        _feed_all(data, "uint8", chunk=4096)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ('{"t":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "duplicate key"),
+        ('{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{}}', "duplicate key"),
+        (
+            '{"__metadata__":{"a":"b","a":"c"},"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+            "duplicate key",
+        ),
+        ('{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1.0]}}', "two unsigned integers"),
+        ('{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1e0]}}', "two unsigned integers"),
+        ('{"t":{"dtype":"U8","shape":[1],"data_offsets":[false,true]}}', "two unsigned integers"),
+        ('{"t":{"dtype":"U8","shape":[1],"data_offsets":[-0,1]}}', "two unsigned integers"),
+        ('{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1,1]}}', "two unsigned integers"),
+        ('{"t":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}}', "shape"),
+        ('{"t":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}}', "shape"),
+        ('{"t":{"dtype":"U8","shape":[0,18446744073709551616],"data_offsets":[0,0]}}', "shape"),
+        ('{"t":{"dtype":"U8","shape":[0,9223372036854775808],"data_offsets":[0,0]}}', "too large"),
+        (
+            '{"t":{"dtype":"U8","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}',
+            "too large",
+        ),
+        ('{"t":{"dtype":"I64","shape":[0,1152921504606846976],"data_offsets":[0,0]}}', "too large"),
+        (
+            '{"t":{"dtype":"U8","shape":[' + ",".join(["1"] * 65) + '],"data_offsets":[0,1]}}',
+            "65 dimensions",
+        ),
+        ('{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "surrogate"),
+        (
+            '{"__metadata__":{"a":"\\udfff"},"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+            "surrogate",
+        ),
+    ],
+)
+def test_headers_the_reference_parser_refuses(header: str, message: str) -> None:
+    dtype = "int64" if '"I64"' in header else "uint8"
+    data = _header_body(header, b"\0" if '"data_offsets":[0,0]' not in header else b"")
+    with pytest.raises(InvalidBody, match=message):
+        validate_body(data, dtype)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        '{"\\ud83d\\ude00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',  # a surrogate pair
+        '{"t":{"dtype":"U8","shape":[0,9223372036854775807],"data_offsets":[0,0]}}',
+        '{"t":{"dtype":"U8","shape":[' + ",".join(["1"] * 64) + '],"data_offsets":[0,1]}}',
+        '{"__metadata__":null,"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+        ' \t\n{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}\r\n ',
+    ],
+)
+def test_edge_headers_the_reference_parser_accepts(header: str) -> None:
+    data = _header_body(header, b"\0" if '"data_offsets":[0,0]' not in header else b"")
+    assert validate_body(data, "uint8").total_length == len(data)

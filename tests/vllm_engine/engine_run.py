@@ -45,15 +45,13 @@ class EncoderProbe:
     def install(self) -> None:
         from vllm.model_executor.models import qwen2_vl
 
-        original = qwen2_vl.Qwen2VisionTransformer.forward
-        probe = self
+        from tests.vllm_engine.probe_site.sitecustomize import wrap_encoder
 
-        def forward(module: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-            probe.calls += 1
-            probe.rows += int(x.shape[0])
-            return original(module, x, *args, **kwargs)
+        wrap_encoder(qwen2_vl, self._count)
 
-        qwen2_vl.Qwen2VisionTransformer.forward = forward  # type: ignore[method-assign]
+    def _count(self, rows: int) -> None:
+        self.calls += 1
+        self.rows += rows
 
 
 def perturb_loads() -> None:

@@ -11,9 +11,10 @@ import os
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-_MODEL_SEGMENT = re.compile(r"[A-Za-z0-9._@+-]+")
+from ec_cache._keys import model_error, segment_ok
+
 _SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -29,6 +30,12 @@ def parse_size(value: Any) -> Any:
     return value
 
 
+def _check_revision(value: str) -> str:
+    if not segment_ok(value):
+        raise ValueError(f"{value!r} is not one model segment: letters, digits, . _ - @ +")
+    return value
+
+
 ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=1)]
 Seconds = Annotated[float, Field(ge=0)]
 Timeout = Annotated[float, Field(ge=0.001)]
@@ -38,12 +45,7 @@ Count = Annotated[int, Field(ge=1)]
 def check_model_namespace(model: str) -> str:
     """``model`` if it is a valid ``{model}`` path part (docs/http-api.md), else
     ``ValueError`` naming the rule."""
-    segments = model.split("/")
-    if (
-        not model
-        or len(model.encode("utf-8")) > 256
-        or any(s in ("", ".", "..") or not _MODEL_SEGMENT.fullmatch(s) for s in segments)
-    ):
+    if model_error(model) is not None:
         raise ValueError(
             f"{model!r} is not a valid ec-cache model namespace: use '/'-separated segments "
             "of letters, digits, '.', '_', '-', '@', '+' (no empty, '.' or '..' segment, "
@@ -59,7 +61,7 @@ class ECCacheConnectorConfig(BaseModel):
 
     urls: tuple[str, ...] = Field(min_length=1)
     model: str | None = None
-    encoder_revision: Annotated[str, Field(pattern=r"^[A-Za-z0-9._@+-]+$")] | None = None
+    encoder_revision: Annotated[str, AfterValidator(_check_revision)] | None = None
     dtype: str | None = None
     token: str | None = None
     # scheduler

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from ec_cache._keys import hash_error
+
 __all__ = ["CircuitBreaker", "Counters", "TTLCache", "cache_key"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
-
-# The wire rule for the `{hash}` segment (docs/http-api.md).
-_HASH_RE = re.compile(r"[A-Za-z0-9._:-]{1,256}")
 
 
 def cache_key(identifier: str) -> str:
@@ -28,7 +26,7 @@ def cache_key(identifier: str) -> str:
     user id longer than 256 chars, non-ASCII) becomes ``"sha256:" + hexdigest(id)``:
     deterministic, so every worker maps it to the same entry.
     """
-    if _HASH_RE.fullmatch(identifier):
+    if hash_error(identifier) is None:
         return identifier
     return "sha256:" + hashlib.sha256(identifier.encode("utf-8")).hexdigest()
 

@@ -1,9 +1,11 @@
-"""Encoder probe for vLLM server processes (on PYTHONPATH only in tests/vllm_engine).
+"""The encoder probe of tests/vllm_engine: counts the patch rows Qwen2-VL's vision
+transformer encodes, by wrapping vLLM's own module.
 
-vLLM's API server runs its engine core in a process of its own, so the probe is
-installed in every Python process that has ``EC_TEST_ENCODER_LOG`` set: when vLLM's
-Qwen2-VL module is imported, its vision transformer is wrapped so that each call
-appends the patch-row count it encoded to that file.
+``wrap_encoder`` is what the offline runner (``engine_run``) calls. vLLM's API server
+runs its engine core in a process of its own, so for servers this file is also a
+``sitecustomize`` (on PYTHONPATH only in tests/vllm_engine): in every Python process
+that has ``EC_TEST_ENCODER_LOG`` set, the module is wrapped when imported and each call
+appends its row count to that file.
 """
 
 from __future__ import annotations
@@ -12,21 +14,30 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 _MODULE = "vllm.model_executor.models.qwen2_vl"
 
 
-def _wrap(module: ModuleType, log_path: str) -> None:
+def wrap_encoder(module: ModuleType, on_call: Callable[[int], None]) -> None:
+    """Make every call of ``module``'s vision transformer report its patch rows."""
     original = module.Qwen2VisionTransformer.forward
 
     def forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-        with open(log_path, "a") as log:
-            log.write(f"{int(x.shape[0])}\n")
+        on_call(int(x.shape[0]))
         return original(self, x, *args, **kwargs)
 
     module.Qwen2VisionTransformer.forward = forward
+
+
+def _append_to(log_path: str) -> Callable[[int], None]:
+    def append(rows: int) -> None:
+        with open(log_path, "a") as log:
+            log.write(f"{rows}\n")
+
+    return append
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -47,7 +58,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module: ModuleType) -> None:
                 loader.exec_module(module)
-                _wrap(module, log_path)
+                wrap_encoder(module, _append_to(log_path))
 
         spec.loader = Loader()
         return spec

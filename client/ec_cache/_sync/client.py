@@ -1,40 +1,32 @@
-"""The blocking client."""
+# Generated from ec_cache/_async/client.py by scripts/unasync.py; do not edit.
+"""The client. Written once, for asyncio, in ``ec_cache/_async/client.py``; the
+blocking one in ``ec_cache/_sync/client.py`` is generated from it."""
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
 import torch
 
-from . import _core
-from ._buffers import BufferPool
-from ._config import Limits, Retries, Timeouts
-from ._core import IterReader, Progress, Receiver, RetryableStatus
-from ._exceptions import (
-    ConnectError,
-    ECCacheError,
-    IntegrityError,
-    TransportError,
-    UnavailableError,
-)
-from ._routing import Router
-from ._tensors import EntryInfo, check_hash, check_model, parse_dtype
-from ._transport import SyncBody, SyncTransport
+from .. import _core
+from .._backends import Mapper, sleep
+from .._config import Limits, Retries, Timeouts
+from .._core import ClientBase, Device, Progress, Receiver, RetryableStatus
+from .._exceptions import ConnectError, ECCacheError, IntegrityError, TransportError
+from .._tensors import EntryInfo, check_hash
+from .transport import ResponseBody, Transport
 
 __all__ = ["Client"]
 
 T = TypeVar("T")
-Device = torch.device | str | int | None
+ReadInto = Callable[[memoryview], int]
 
 
-class Client:
-    """Blocking client for one ``(model, dtype)`` namespace of ec-cache.
+class Client(ClientBase):
+    """Client for one ``(model, dtype)`` namespace of ec-cache.
 
     >>> import torch, ec_cache
     >>> with ec_cache.Client("http://127.0.0.1:8080", model="Qwen/Qwen2.5-VL-7B-Instruct",
@@ -43,6 +35,10 @@ class Client:
     ...     t = cache.get("mm-hash-1", device="cuda")     # None on a miss
     ...     cache.exists_many(["mm-hash-1", "mm-hash-2"])   # [True, False], one request
     True
+
+    The blocking and the asyncio client have the same arguments and methods (those of
+    the asyncio one are coroutines; asyncio event loops only, not trio; one client per
+    loop). A blocking client can be shared by threads.
 
     Arguments:
         url: one base URL or several (replicas). Each key goes to the replica chosen by
@@ -54,15 +50,13 @@ class Client:
         token: sent as ``Authorization: Bearer <token>``.
         timeouts: :class:`Timeouts` or seconds for every phase.
         retries: :class:`Retries` or a number of attempts.
-        limits: :class:`Limits` (batch concurrency, keep-alive, staging buffer pool).
+        limits: :class:`Limits` (batch concurrency, connections, staging buffer pool).
         raise_on_unavailable: raise :class:`UnavailableError` on a 503 from
             ``get``/``head``/``exists`` instead of treating it as a miss.
         verify: check the CRC32C of every received body (``X-EC-CRC32C``).
-        transport: an ``httpx.BaseTransport`` to use instead of the SDK's own
-            (which is http:// only; https:// URLs use httpx's default transport).
+        transport: an httpx transport to use instead of the SDK's own (which is
+            http:// only; https:// URLs use httpx's default transport).
         headers: extra request headers.
-
-    Thread-safe: one client can be shared by threads.
     """
 
     def __init__(
@@ -80,59 +74,65 @@ class Client:
         transport: httpx.BaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.model = check_model(model)
-        self.dtype = parse_dtype(dtype)
-        self.router = Router([url] if isinstance(url, str) else url)
-        self.timeouts = Timeouts() if timeouts is None else Timeouts.of(timeouts)
-        self.retries = Retries() if retries is None else Retries.of(retries)
-        self.limits = limits or Limits()
-        self.raise_on_unavailable = raise_on_unavailable
-        self.verify = verify
-        self.pool = BufferPool(self.limits.buffer_pool_bytes)
-        if transport is None and all(u.startswith("http://") for u in self.router.urls):
-            transport = SyncTransport(
+        super().__init__(
+            url,
+            model=model,
+            dtype=dtype,
+            timeouts=timeouts,
+            retries=retries,
+            limits=limits,
+            raise_on_unavailable=raise_on_unavailable,
+            verify=verify,
+        )
+        if transport is None and self.own_transport:
+            transport = Transport(
+                max_connections=self.limits.max_connections,
                 max_keepalive=self.limits.max_keepalive,
                 keepalive_expiry=self.limits.keepalive_expiry,
             )
         self._http = httpx.Client(
             transport=transport,
-            timeout=self.timeouts.to_httpx(),
+            timeout=self._timeout(),
             headers=_core.default_headers(token, dict(headers) if headers else None),
             follow_redirects=False,
         )
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self._mapper = Mapper(self.limits.concurrency)
 
     # -- public API -----------------------------------------------------------------
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        from ._tensors import DTYPES
-
-        return DTYPES[self.dtype][0]
-
-    @property
-    def urls(self) -> list[str]:
-        return list(self.router.urls)
-
-    def put(self, hash: str, tensor: torch.Tensor, *, progress: Progress | None = None) -> bool:
+    def put(
+        self,
+        hash: str,
+        tensor: torch.Tensor,
+        *,
+        progress: Progress | None = None,
+        conditional: bool = True,
+    ) -> bool:
         """Store ``tensor`` under ``hash``. Returns ``True`` when this call created the
         entry, ``False`` when it was already there (entries are immutable: the first
         writer wins and the stored tensor is unchanged).
 
         ``tensor`` must have the client's dtype; any shape, CPU or CUDA, contiguous or
         not. A contiguous CPU tensor is sent from its own memory.
+
+        ``conditional`` (default): send ``If-None-Match: *`` and ``Expect:
+        100-continue``, so that the server refuses a duplicate (412, seen here as
+        ``False``) or an oversized body (413) before the body is sent. ``False`` sends
+        the body at once (for servers or proxies that mishandle ``Expect``).
         """
-        path = self._path(check_hash(hash))
+        path = self._path(hash)
         body = _core.encode_put(tensor, self.dtype, self.pool)
         body.progress = progress
+        headers = self._put_headers(body, conditional)
         try:
 
             def op(url: str) -> bool:
-                request = self._http.build_request("PUT", url + path, headers=body.headers())
+                request = self._http.build_request("PUT", url + path, headers=headers)
                 request.stream = body
                 response = self._http.send(request)
                 if response.status_code in (200, 201):
                     return response.status_code == 201
+                if response.status_code == 412 and conditional:
+                    return False  # already present
                 raise self._error(response, url)
 
             return self._call(self._order(hash), op, resend=self.retries.retry_put)
@@ -155,14 +155,15 @@ class Client:
         The result owns its memory. Raises :class:`IntegrityError` when the body does not
         match its checksum or headers.
         """
-        path = self._path(check_hash(hash))
-        device = _device(device)
+        path = self._path(hash)
+        dev = _core.device_of(device)
 
         def op(url: str) -> torch.Tensor | None:
-            response = self._http.send(self._http.build_request("GET", url + path), stream=True)
+            request = self._http.build_request("GET", url + path)
+            response = self._http.send(request, stream=True)
             try:
                 if response.status_code == 200:
-                    return self._receive(response, url, device, out, progress)
+                    return self._receive(response, url, dev, out, progress)
                 self._miss(response, url)
                 return None
             finally:
@@ -173,7 +174,7 @@ class Client:
     def head(self, hash: str) -> EntryInfo | None:
         """What the server knows about ``hash`` (dtype, shape, size, checksum, tier), or
         ``None`` on a miss. Never transfers the body."""
-        path = self._path(check_hash(hash))
+        path = self._path(hash)
 
         def op(url: str) -> EntryInfo | None:
             response = self._http.send(self._http.build_request("HEAD", url + path))
@@ -190,17 +191,24 @@ class Client:
 
     def exists_many(self, hashes: Iterable[str]) -> list[bool]:
         """Existence of many hashes, in order: one ``POST .../_exists`` per replica and
-        per 1000 hashes."""
+        per 1000 hashes, the replicas asked at once."""
         hashes = [check_hash(h) for h in hashes]
         orders = [self._order(h) for h in hashes]
         present = [False] * len(hashes)
         pending, dead = list(range(len(hashes))), set[str]()
+
+        def ask(item: tuple[str, list[int]]) -> list[bool] | ConnectError:
+            url, batch = item
+            try:
+                return self._exists_batch([url], [hashes[i] for i in batch])
+            except ConnectError as exc:
+                return exc
+
         while pending:
             batches, pending = _core.exists_batches(orders, pending, dead), []
-            for url, batch in batches:
-                try:
-                    answer = self._exists_batch([url], [hashes[i] for i in batch])
-                except ConnectError:  # each key moves on to its own next replica
+            answers = self._mapper.map(ask, batches)
+            for (url, batch), answer in zip(batches, answers, strict=True):
+                if isinstance(answer, ConnectError):  # each key moves on to its next replica
                     dead.add(url)
                     pending += batch
                     continue
@@ -212,10 +220,11 @@ class Client:
         self, hashes: Iterable[str], *, device: Device = None
     ) -> list[torch.Tensor | None]:
         """``get`` of every hash, ``Limits.concurrency`` at a time; results in order."""
-        hashes = list(hashes)
-        if len(hashes) <= 1:
-            return [self.get(h, device=device) for h in hashes]
-        return list(self._pool_executor().map(lambda h: self.get(h, device=device), hashes))
+
+        def one(h: str) -> torch.Tensor | None:
+            return self.get(h, device=device)
+
+        return self._mapper.map(one, list(hashes))
 
     def put_many(
         self, items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -223,14 +232,16 @@ class Client:
         """``put`` of every ``(hash, tensor)``, ``Limits.concurrency`` at a time;
         results (created or not) in order."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        if len(pairs) <= 1:
-            return [self.put(h, t) for h, t in pairs]
-        return list(self._pool_executor().map(lambda p: self.put(p[0], p[1]), pairs))
+
+        def one(pair: tuple[str, torch.Tensor]) -> bool:
+            return self.put(pair[0], pair[1])
+
+        return self._mapper.map(one, pairs)
 
     def delete(self, hash: str) -> None:
         """Remove ``hash`` from every replica (each one's disk, and S3). Replicas that
         refuse connections are skipped; raises when none could be reached."""
-        path = self._path(check_hash(hash))
+        path = self._path(hash)
 
         def op(url: str) -> None:
             response = self._http.send(self._http.build_request("DELETE", url + path))
@@ -252,15 +263,15 @@ class Client:
         """``GET /stats`` of every replica: ``{url: stats}``; an unreachable or failing
         replica maps to ``{"error": "..."}``."""
         result: dict[str, dict[str, Any]] = {}
+
+        def op(url: str) -> dict[str, Any]:
+            response = self._http.get(url + "/stats")
+            if response.status_code != 200:
+                raise self._error(response, url)
+            data = _core.json_body(response.content, url)
+            return data if isinstance(data, dict) else {"stats": data}
+
         for url in self.router.urls:
-
-            def op(url: str) -> dict[str, Any]:
-                response = self._http.get(url + "/stats")
-                if response.status_code != 200:
-                    raise self._error(response, url)
-                data = _core.json_body(response.content, url)
-                return data if isinstance(data, dict) else {"stats": data}
-
             try:
                 result[url] = self._call([url], op)
             except ECCacheError as exc:
@@ -268,11 +279,8 @@ class Client:
         return result
 
     def close(self) -> None:
-        """Close connections and worker threads; idempotent."""
-        with self._executor_lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        """Close connections (and worker threads); idempotent."""
+        self._mapper.close()
         self._http.close()
         self.pool.clear()
 
@@ -287,23 +295,15 @@ class Client:
     ) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"Client({self.router.urls!r}, model={self.model!r}, dtype={self.dtype!r})"
-
     # -- internals ------------------------------------------------------------------
-    def _path(self, hash: str) -> str:
-        return f"/ec/{self.model}/{self.dtype}/{hash}"
-
-    def _order(self, hash: str) -> list[str]:
-        return self.router.order(self.model, self.dtype, hash)
-
     def _exists_batch(self, order: list[str], batch: list[str]) -> list[bool]:
-        path = f"/ec/{self.model}/{self.dtype}/_exists"
+        path = self._exists_path()
 
         def op(url: str) -> list[bool]:
             response = self._http.post(url + path, json={"hashes": batch})
             if response.status_code == 200:
-                present = _core.json_body(response.content, url).get("present")
+                present = _core.json_body(response.content, url)
+                present = present.get("present") if isinstance(present, dict) else None
                 if not isinstance(present, list) or len(present) != len(batch):
                     raise TransportError(f"{url}: malformed _exists answer", url=url)
                 return [bool(v) for v in present]
@@ -312,14 +312,6 @@ class Client:
 
         return self._call(order, op)
 
-    def _pool_executor(self) -> ThreadPoolExecutor:
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=self.limits.concurrency, thread_name_prefix="ec-cache"
-                )
-            return self._executor
-
     def _call(self, order: list[str], op: Callable[[str], T], *, resend: bool = True) -> T:
         """Run ``op(url)`` over the replica order with failover and retries."""
         attempts = self.retries.attempts if resend else 1
@@ -327,7 +319,7 @@ class Client:
         last_url = order[0]
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self.retries.delay(attempt))
+                sleep(self.retries.delay(attempt))
             for url in order:
                 last_url = url
                 try:
@@ -345,17 +337,14 @@ class Client:
             body = response.read()
         except httpx.HTTPError:
             body = b""
-        error = _core.error_for(response, body, url)
-        if response.status_code in self.retries.statuses:
-            return RetryableStatus(error)
-        return error
+        return self._error_from(response, body, url)
 
     def _miss(self, response: httpx.Response, url: str) -> None:
         """``None`` for 404 (and 503 unless configured to raise); raises otherwise."""
         if response.status_code == 404:
             return None
         error = self._error(response, url)
-        if isinstance(error, UnavailableError) and not self.raise_on_unavailable:
+        if self._is_miss(error):
             return None
         raise error
 
@@ -367,19 +356,11 @@ class Client:
         out: torch.Tensor | None,
         progress: Progress | None,
     ) -> torch.Tensor:
-        rx = Receiver(
-            dtype=self.dtype,
-            resp=response,
-            url=url,
-            device=device,
-            out=out,
-            pool=self.pool,
-            verify=self.verify,
-        )
+        rx = self._receiver(response, url, device, out)
         body = response.extensions.get("ec_body")
-        readinto: Callable[[memoryview], int] = (
+        readinto: ReadInto = (
             body.readinto
-            if isinstance(body, SyncBody)
+            if isinstance(body, ResponseBody)
             else IterReader(response.iter_raw()).readinto
         )
         try:
@@ -393,26 +374,32 @@ class Client:
             rx.release()
 
 
-def _device(device: Device) -> torch.device | None:
-    if device is None:
-        return None
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device(device)
+class IterReader:
+    """``readinto`` over a plain httpx byte iterator (stock transports, https)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._left = memoryview(b"")
+
+    def readinto(self, mv: memoryview) -> int:
+        while not self._left:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._left = memoryview(chunk)
+        n = min(len(mv), len(self._left))
+        mv[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
 
 
-def _read_exact(readinto: Callable[[memoryview], int], n: int, rx: Receiver) -> bytes:
+def _read_exact(readinto: ReadInto, n: int, rx: Receiver) -> bytes:
     buf = bytearray(n)
     _fill(readinto, memoryview(buf), rx, None)
     return bytes(buf)
 
 
-def _fill(
-    readinto: Callable[[memoryview], int],
-    target: memoryview,
-    rx: Receiver,
-    progress: Progress | None,
-) -> None:
+def _fill(readinto: ReadInto, target: memoryview, rx: Receiver, progress: Progress | None) -> None:
     filled, size = 0, len(target)
     crc = rx.crc
     while filled < size:

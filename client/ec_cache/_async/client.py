@@ -1,48 +1,61 @@
-"""The asyncio client: :class:`Client`'s methods as coroutines."""
+"""The client. Written once, for asyncio, in ``ec_cache/_async/client.py``; the
+blocking one in ``ec_cache/_sync/client.py`` is generated from it."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
 import torch
 
-from . import _core
-from ._async_transport import AsyncBody, AsyncTransport
-from ._buffers import BufferPool
-from ._client import Device, _device
-from ._config import Limits, Retries, Timeouts
-from ._core import AsyncIterReader, Progress, Receiver, RetryableStatus
-from ._exceptions import (
-    ConnectError,
-    ECCacheError,
-    IntegrityError,
-    TransportError,
-    UnavailableError,
-)
-from ._routing import Router
-from ._tensors import DTYPES, EntryInfo, check_hash, check_model, parse_dtype
+from .. import _core
+from .._backends import AsyncMapper, async_sleep
+from .._config import Limits, Retries, Timeouts
+from .._core import ClientBase, Device, Progress, Receiver, RetryableStatus
+from .._exceptions import ConnectError, ECCacheError, IntegrityError, TransportError
+from .._tensors import EntryInfo, check_hash
+from .transport import AsyncResponseBody, AsyncTransport
 
 __all__ = ["AsyncClient"]
 
 T = TypeVar("T")
-_ReadInto = Callable[[memoryview], Awaitable[int]]
+ReadInto = Callable[[memoryview], Awaitable[int]]
 
 
-class AsyncClient:
-    """asyncio client; same arguments and methods as :class:`Client`, awaitable.
+class AsyncClient(ClientBase):
+    """Client for one ``(model, dtype)`` namespace of ec-cache.
 
-    >>> async def main() -> None:                                   # doctest: +SKIP
-    ...     async with ec_cache.AsyncClient("http://cache:8080", model="m",
-    ...                                     dtype=torch.bfloat16) as cache:
-    ...         await cache.put("h1", torch.ones(4, 8, dtype=torch.bfloat16))
-    ...         tensors = await cache.get_many(["h1", "h2"])          # [Tensor, None]
+    >>> import torch, ec_cache
+    >>> with ec_cache.Client("http://127.0.0.1:8080", model="Qwen/Qwen2.5-VL-7B-Instruct",
+    ...                      dtype=torch.bfloat16) as cache:   # doctest: +SKIP
+    ...     cache.put("mm-hash-1", torch.randn(576, 4096, dtype=torch.bfloat16))
+    ...     t = cache.get("mm-hash-1", device="cuda")     # None on a miss
+    ...     cache.exists_many(["mm-hash-1", "mm-hash-2"])   # [True, False], one request
+    True
 
-    Bodies are received with ``loop.sock_recv_into`` straight into the destination
-    memory (asyncio event loops only, not trio). Use one client per event loop.
+    The blocking and the asyncio client have the same arguments and methods (those of
+    the asyncio one are coroutines; asyncio event loops only, not trio; one client per
+    loop). A blocking client can be shared by threads.
+
+    Arguments:
+        url: one base URL or several (replicas). Each key goes to the replica chosen by
+            rendezvous hashing of ``(model, dtype, hash)``; when it refuses connections
+            the next one in the key's order is used.
+        model: the namespace, e.g. ``"Qwen/Qwen2.5-VL-7B-Instruct@a1b2c3"`` (slashes are
+            sent as they are).
+        dtype: a ``torch.dtype`` or its name; every tensor of this client has it.
+        token: sent as ``Authorization: Bearer <token>``.
+        timeouts: :class:`Timeouts` or seconds for every phase.
+        retries: :class:`Retries` or a number of attempts.
+        limits: :class:`Limits` (batch concurrency, connections, staging buffer pool).
+        raise_on_unavailable: raise :class:`UnavailableError` on a 503 from
+            ``get``/``head``/``exists`` instead of treating it as a miss.
+        verify: check the CRC32C of every received body (``X-EC-CRC32C``).
+        transport: an httpx transport to use instead of the SDK's own (which is
+            http:// only; https:// URLs use httpx's default transport).
+        headers: extra request headers.
     """
 
     def __init__(
@@ -60,50 +73,65 @@ class AsyncClient:
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.model = check_model(model)
-        self.dtype = parse_dtype(dtype)
-        self.router = Router([url] if isinstance(url, str) else url)
-        self.timeouts = Timeouts() if timeouts is None else Timeouts.of(timeouts)
-        self.retries = Retries() if retries is None else Retries.of(retries)
-        self.limits = limits or Limits()
-        self.raise_on_unavailable = raise_on_unavailable
-        self.verify = verify
-        self.pool = BufferPool(self.limits.buffer_pool_bytes)
-        if transport is None and all(u.startswith("http://") for u in self.router.urls):
+        super().__init__(
+            url,
+            model=model,
+            dtype=dtype,
+            timeouts=timeouts,
+            retries=retries,
+            limits=limits,
+            raise_on_unavailable=raise_on_unavailable,
+            verify=verify,
+        )
+        if transport is None and self.own_transport:
             transport = AsyncTransport(
+                max_connections=self.limits.max_connections,
                 max_keepalive=self.limits.max_keepalive,
                 keepalive_expiry=self.limits.keepalive_expiry,
             )
         self._http = httpx.AsyncClient(
             transport=transport,
-            timeout=self.timeouts.to_httpx(),
+            timeout=self._timeout(),
             headers=_core.default_headers(token, dict(headers) if headers else None),
             follow_redirects=False,
         )
+        self._mapper = AsyncMapper(self.limits.concurrency)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
-
-    @property
-    def urls(self) -> list[str]:
-        return list(self.router.urls)
-
+    # -- public API -----------------------------------------------------------------
     async def put(
-        self, hash: str, tensor: torch.Tensor, *, progress: Progress | None = None
+        self,
+        hash: str,
+        tensor: torch.Tensor,
+        *,
+        progress: Progress | None = None,
+        conditional: bool = True,
     ) -> bool:
-        """See :meth:`Client.put`."""
-        path = self._path(check_hash(hash))
+        """Store ``tensor`` under ``hash``. Returns ``True`` when this call created the
+        entry, ``False`` when it was already there (entries are immutable: the first
+        writer wins and the stored tensor is unchanged).
+
+        ``tensor`` must have the client's dtype; any shape, CPU or CUDA, contiguous or
+        not. A contiguous CPU tensor is sent from its own memory.
+
+        ``conditional`` (default): send ``If-None-Match: *`` and ``Expect:
+        100-continue``, so that the server refuses a duplicate (412, seen here as
+        ``False``) or an oversized body (413) before the body is sent. ``False`` sends
+        the body at once (for servers or proxies that mishandle ``Expect``).
+        """
+        path = self._path(hash)
         body = _core.encode_put(tensor, self.dtype, self.pool)
         body.progress = progress
+        headers = self._put_headers(body, conditional)
         try:
 
             async def op(url: str) -> bool:
-                request = self._http.build_request("PUT", url + path, headers=body.headers())
+                request = self._http.build_request("PUT", url + path, headers=headers)
                 request.stream = body
                 response = await self._http.send(request)
                 if response.status_code in (200, 201):
                     return response.status_code == 201
+                if response.status_code == 412 and conditional:
+                    return False  # already present
                 raise await self._error(response, url)
 
             return await self._call(self._order(hash), op, resend=self.retries.retry_put)
@@ -118,9 +146,16 @@ class AsyncClient:
         out: torch.Tensor | None = None,
         progress: Progress | None = None,
     ) -> torch.Tensor | None:
-        """See :meth:`Client.get`."""
-        path = self._path(check_hash(hash))
-        dev = _device(device)
+        """The tensor stored under ``hash``, or ``None`` on a miss (404, or 503 unless
+        ``raise_on_unavailable``).
+
+        ``device``: where the result goes (default: CPU, or ``out``'s device).
+        ``out``: an existing tensor of the entry's dtype and shape to fill (returned).
+        The result owns its memory. Raises :class:`IntegrityError` when the body does not
+        match its checksum or headers.
+        """
+        path = self._path(hash)
+        dev = _core.device_of(device)
 
         async def op(url: str) -> torch.Tensor | None:
             request = self._http.build_request("GET", url + path)
@@ -136,8 +171,9 @@ class AsyncClient:
         return await self._call(self._order(hash), op)
 
     async def head(self, hash: str) -> EntryInfo | None:
-        """See :meth:`Client.head`."""
-        path = self._path(check_hash(hash))
+        """What the server knows about ``hash`` (dtype, shape, size, checksum, tier), or
+        ``None`` on a miss. Never transfers the body."""
+        path = self._path(hash)
 
         async def op(url: str) -> EntryInfo | None:
             response = await self._http.send(self._http.build_request("HEAD", url + path))
@@ -149,60 +185,62 @@ class AsyncClient:
         return await self._call(self._order(hash), op)
 
     async def exists(self, hash: str) -> bool:
-        """See :meth:`Client.exists`."""
+        """Whether ``hash`` is stored (a ``HEAD``; a 503 counts as absent)."""
         return await self.head(hash) is not None
 
     async def exists_many(self, hashes: Iterable[str]) -> list[bool]:
-        """See :meth:`Client.exists_many`; replicas are asked concurrently."""
+        """Existence of many hashes, in order: one ``POST .../_exists`` per replica and
+        per 1000 hashes, the replicas asked at once."""
         hashes = [check_hash(h) for h in hashes]
         orders = [self._order(h) for h in hashes]
         present = [False] * len(hashes)
         pending, dead = list(range(len(hashes))), set[str]()
+
+        async def ask(item: tuple[str, list[int]]) -> list[bool] | ConnectError:
+            url, batch = item
+            try:
+                return await self._exists_batch([url], [hashes[i] for i in batch])
+            except ConnectError as exc:
+                return exc
+
         while pending:
             batches, pending = _core.exists_batches(orders, pending, dead), []
-            answers = await asyncio.gather(
-                *(self._exists_batch([url], [hashes[i] for i in batch]) for url, batch in batches),
-                return_exceptions=True,
-            )
+            answers = await self._mapper.map(ask, batches)
             for (url, batch), answer in zip(batches, answers, strict=True):
                 if isinstance(answer, ConnectError):  # each key moves on to its next replica
                     dead.add(url)
                     pending += batch
-                elif isinstance(answer, BaseException):
-                    raise answer
-                else:
-                    for i, value in zip(batch, answer, strict=True):
-                        present[i] = value
+                    continue
+                for i, value in zip(batch, answer, strict=True):
+                    present[i] = value
         return present
 
     async def get_many(
         self, hashes: Iterable[str], *, device: Device = None
     ) -> list[torch.Tensor | None]:
-        """See :meth:`Client.get_many`."""
-        limit = asyncio.Semaphore(self.limits.concurrency)
+        """``get`` of every hash, ``Limits.concurrency`` at a time; results in order."""
 
         async def one(h: str) -> torch.Tensor | None:
-            async with limit:
-                return await self.get(h, device=device)
+            return await self.get(h, device=device)
 
-        return list(await asyncio.gather(*(one(h) for h in hashes)))
+        return await self._mapper.map(one, list(hashes))
 
     async def put_many(
         self, items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> list[bool]:
-        """See :meth:`Client.put_many`."""
+        """``put`` of every ``(hash, tensor)``, ``Limits.concurrency`` at a time;
+        results (created or not) in order."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        limit = asyncio.Semaphore(self.limits.concurrency)
 
-        async def one(h: str, t: torch.Tensor) -> bool:
-            async with limit:
-                return await self.put(h, t)
+        async def one(pair: tuple[str, torch.Tensor]) -> bool:
+            return await self.put(pair[0], pair[1])
 
-        return list(await asyncio.gather(*(one(h, t) for h, t in pairs)))
+        return await self._mapper.map(one, pairs)
 
     async def delete(self, hash: str) -> None:
-        """See :meth:`Client.delete`."""
-        path = self._path(check_hash(hash))
+        """Remove ``hash`` from every replica (each one's disk, and S3). Replicas that
+        refuse connections are skipped; raises when none could be reached."""
+        path = self._path(hash)
 
         async def op(url: str) -> None:
             response = await self._http.send(self._http.build_request("DELETE", url + path))
@@ -221,7 +259,8 @@ class AsyncClient:
             raise last
 
     async def stats(self) -> dict[str, dict[str, Any]]:
-        """See :meth:`Client.stats`."""
+        """``GET /stats`` of every replica: ``{url: stats}``; an unreachable or failing
+        replica maps to ``{"error": "..."}``."""
         result: dict[str, dict[str, Any]] = {}
 
         async def op(url: str) -> dict[str, Any]:
@@ -239,11 +278,10 @@ class AsyncClient:
         return result
 
     async def aclose(self) -> None:
-        """Close connections; idempotent."""
+        """Close connections (and worker threads); idempotent."""
+        await self._mapper.aclose()
         await self._http.aclose()
         self.pool.clear()
-
-    close = aclose
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -256,23 +294,15 @@ class AsyncClient:
     ) -> None:
         await self.aclose()
 
-    def __repr__(self) -> str:
-        return f"AsyncClient({self.router.urls!r}, model={self.model!r}, dtype={self.dtype!r})"
-
     # -- internals ------------------------------------------------------------------
-    def _path(self, hash: str) -> str:
-        return f"/ec/{self.model}/{self.dtype}/{hash}"
-
-    def _order(self, hash: str) -> list[str]:
-        return self.router.order(self.model, self.dtype, hash)
-
     async def _exists_batch(self, order: list[str], batch: list[str]) -> list[bool]:
-        path = f"/ec/{self.model}/{self.dtype}/_exists"
+        path = self._exists_path()
 
         async def op(url: str) -> list[bool]:
             response = await self._http.post(url + path, json={"hashes": batch})
             if response.status_code == 200:
-                present = _core.json_body(response.content, url).get("present")
+                present = _core.json_body(response.content, url)
+                present = present.get("present") if isinstance(present, dict) else None
                 if not isinstance(present, list) or len(present) != len(batch):
                     raise TransportError(f"{url}: malformed _exists answer", url=url)
                 return [bool(v) for v in present]
@@ -284,18 +314,19 @@ class AsyncClient:
     async def _call(
         self, order: list[str], op: Callable[[str], Awaitable[T]], *, resend: bool = True
     ) -> T:
+        """Run ``op(url)`` over the replica order with failover and retries."""
         attempts = self.retries.attempts if resend else 1
         last: BaseException | None = None
         last_url = order[0]
         for attempt in range(attempts):
             if attempt:
-                await asyncio.sleep(self.retries.delay(attempt))
+                await async_sleep(self.retries.delay(attempt))
             for url in order:
                 last_url = url
                 try:
                     return await op(url)
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    last = exc
+                    last = exc  # nothing was sent: the next replica, at once
                     continue
                 except (httpx.TransportError, RetryableStatus) as exc:
                     last = exc
@@ -307,16 +338,14 @@ class AsyncClient:
             body = await response.aread()
         except httpx.HTTPError:
             body = b""
-        error = _core.error_for(response, body, url)
-        if response.status_code in self.retries.statuses:
-            return RetryableStatus(error)
-        return error
+        return self._error_from(response, body, url)
 
     async def _miss(self, response: httpx.Response, url: str) -> None:
+        """``None`` for 404 (and 503 unless configured to raise); raises otherwise."""
         if response.status_code == 404:
             return None
         error = await self._error(response, url)
-        if isinstance(error, UnavailableError) and not self.raise_on_unavailable:
+        if self._is_miss(error):
             return None
         raise error
 
@@ -328,19 +357,11 @@ class AsyncClient:
         out: torch.Tensor | None,
         progress: Progress | None,
     ) -> torch.Tensor:
-        rx = Receiver(
-            dtype=self.dtype,
-            resp=response,
-            url=url,
-            device=device,
-            out=out,
-            pool=self.pool,
-            verify=self.verify,
-        )
+        rx = self._receiver(response, url, device, out)
         body = response.extensions.get("ec_body")
-        readinto: _ReadInto = (
+        readinto: ReadInto = (
             body.readinto
-            if isinstance(body, AsyncBody)
+            if isinstance(body, AsyncResponseBody)
             else AsyncIterReader(response.aiter_raw()).readinto
         )
         try:
@@ -354,14 +375,33 @@ class AsyncClient:
             rx.release()
 
 
-async def _read_exact(readinto: _ReadInto, n: int, rx: Receiver) -> bytes:
+class AsyncIterReader:
+    """``readinto`` over a plain httpx byte iterator (stock transports, https)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+        self._left = memoryview(b"")
+
+    async def readinto(self, mv: memoryview) -> int:
+        while not self._left:
+            chunk = await anext(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._left = memoryview(chunk)
+        n = min(len(mv), len(self._left))
+        mv[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+
+async def _read_exact(readinto: ReadInto, n: int, rx: Receiver) -> bytes:
     buf = bytearray(n)
     await _fill(readinto, memoryview(buf), rx, None)
     return bytes(buf)
 
 
 async def _fill(
-    readinto: _ReadInto, target: memoryview, rx: Receiver, progress: Progress | None
+    readinto: ReadInto, target: memoryview, rx: Receiver, progress: Progress | None
 ) -> None:
     filled, size = 0, len(target)
     crc = rx.crc

@@ -1,0 +1,540 @@
+"""The SDK's HTTP/1.1 transport for httpx: h11 frames every message, sockets are the
+SDK's own so that a body can go from and into caller memory.
+
+httpx's stock transport reads 64 KiB at a time and copies each piece several times on
+its way to ``Response.content``. This one keeps httpx's API (requests, headers,
+timeouts, event hooks) and:
+
+* parses and frames every request and response with h11 (status line, headers,
+  ``Content-Length``, ``Transfer-Encoding: chunked`` with trailers, ``HEAD``, 1xx);
+* sends request bodies from the caller's buffers (``memoryview`` s of tensor memory);
+* exposes ``response.extensions["ec_body"]``, whose ``readinto(buffer)`` fills caller
+  memory. Once h11 has handed over what it had buffered, the rest of a
+  ``Content-Length`` body is received with ``recv_into`` straight into the buffer:
+  the one piece of framing written by hand here (h11 would copy every byte twice);
+* sends ``Expect: 100-continue`` requests in two steps: the head, then the body only
+  after ``100 Continue`` (or ``EXPECT_TIMEOUT`` seconds of silence); a final answer
+  in between (412, 413, 401) means the body is never sent;
+* pools keep-alive connections per ``(host, port)``. A connection goes back to the
+  pool only when both the request and the response were complete and the server
+  did not ask to close; it is checked for a server-side close before reuse, and a
+  request whose reused connection turns out dead before any byte of the answer
+  arrived is sent once more on a fresh connection. At most ``max_connections``
+  requests per replica are in flight; the next one waits up to the ``pool`` timeout.
+
+``http://`` only; the clients use httpx's stock transport for ``https://``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import h11
+import httpx
+
+from .._backends import AsyncSemaphore, AsyncSocket
+
+__all__ = ["AsyncResponseBody", "AsyncTransport"]
+
+RECV_CHUNK = 256 * 1024
+"""Largest single receive: small enough that the CRC of the chunk just received runs
+from the CPU cache, large enough that syscalls are few."""
+HEAD_RECV = 64 * 1024
+"""Receive size while h11 parses (response heads, chunked bodies)."""
+MAX_HEAD_BYTES = 64 * 1024
+"""Largest response head (and chunk header, trailer section) accepted."""
+MAX_INTERIM = 16
+"""Most 1xx answers accepted before the final one."""
+SEND_COALESCE = 64 * 1024
+"""Body pieces below this are sent in one write with the request head."""
+EXPECT_TIMEOUT = 1.0
+"""Seconds to wait for ``100 Continue`` before sending the body anyway (as curl)."""
+
+_Key = tuple[str, int]
+
+
+class _Closed(ConnectionResetError):
+    """The server closed the connection before (or instead of) answering."""
+
+
+def _keep_alive(event: h11.Response) -> bool:
+    if event.http_version != b"1.1":
+        return False
+    for name, value in event.headers:
+        if name == b"connection" and b"close" in [t.strip() for t in value.lower().split(b",")]:
+            return False
+    return True
+
+
+def _content_length_framed(event: h11.Response, method: bytes) -> int | None:
+    """The body length when the body is framed by ``Content-Length`` alone."""
+    if method == b"HEAD" or event.status_code in (204, 304):
+        return None
+    length: int | None = None
+    for name, value in event.headers:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
+            length = int(value)  # h11 has checked it: digits, no conflicting copies
+    return length
+
+
+class AsyncConnection:
+    """One socket and the h11 state of its current request/response cycle."""
+
+    def __init__(self, sock: AsyncSocket, key: _Key) -> None:
+        self.sock = sock
+        self.key = key
+        self.last_used = time.monotonic()
+        self.closed = False
+        self._buf = bytearray(HEAD_RECV)
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh cycle (a new ``h11.Connection``: the last body may have bypassed
+        h11's bookkeeping)."""
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.received_any = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+    async def next_event(
+        self, timeout: float | None, deadline: float | None = None
+    ) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        """The next h11 event, receiving as needed; ``deadline`` (monotonic) bounds the
+        whole wait, ``timeout`` each receive."""
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            wait = timeout
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("response head not complete in time")
+                wait = left if wait is None else min(wait, left)
+            mv = memoryview(self._buf)
+            n = await self.sock.recv_into(mv, wait)
+            if n:
+                self.received_any = True
+            self.h11.receive_data(mv[:n] if n else b"")  # type: ignore[arg-type]
+
+
+class AsyncResponseBody(httpx.AsyncByteStream):
+    """The body of one response. ``readinto`` fills caller memory; iterating yields
+    ``bytes`` (what httpx's ``read()``/``iter_bytes()`` use)."""
+
+    def __init__(
+        self,
+        transport: AsyncTransport,
+        conn: AsyncConnection,
+        event: h11.Response,
+        request: httpx.Request,
+        *,
+        request_complete: bool,
+        read_timeout: float | None,
+        release_slot: Callable[[], None],
+    ) -> None:
+        self._transport = transport
+        self._conn: AsyncConnection | None = conn
+        self._request = request
+        self._timeout = read_timeout
+        self._release_slot: Callable[[], None] | None = release_slot
+        self._keep_alive = request_complete and _keep_alive(event)
+        self._direct_length = _content_length_framed(event, request.method.encode())
+        self.length = self._direct_length
+        self._delivered = 0  # body bytes handed over by h11
+        self._direct_left: int | None = None  # bytes left to receive past h11
+        self._left = memoryview(b"")  # the undelivered part of h11's last Data event
+        self.done = False
+
+    async def readinto(self, mv: memoryview) -> int:
+        """Receive up to ``len(mv)`` body bytes into ``mv``; 0 at the end of the body."""
+        conn = self._conn
+        if self.done or conn is None or len(mv) == 0:
+            return 0
+        try:
+            while True:
+                if self._left:
+                    n = min(len(mv), len(self._left))
+                    mv[:n] = self._left[:n]
+                    self._left = self._left[n:]
+                    return n
+                if self._direct_left is not None:
+                    return await self._readinto_direct(conn, mv)
+                event = conn.h11.next_event()
+                if event is h11.NEED_DATA:
+                    if self._direct_length is not None:
+                        # h11's buffer is empty: the rest goes straight into ``mv``
+                        self._direct_left = self._direct_length - self._delivered
+                        continue
+                    event = await conn.next_event(self._timeout)
+                if isinstance(event, h11.Data):
+                    self._left = memoryview(event.data)
+                    self._delivered += len(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    h = conn.h11
+                    if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+                        self._keep_alive = False
+                    elif h.trailing_data[0]:
+                        self._keep_alive = False  # bytes after the body
+                    self._finish()
+                    return 0
+                else:
+                    raise httpx.RemoteProtocolError(
+                        f"unexpected {type(event).__name__} in a response body",
+                        request=self._request,
+                    )
+        except TimeoutError:
+            self._abort()
+            raise httpx.ReadTimeout("timed out reading the body", request=self._request) from None
+        except h11.RemoteProtocolError as exc:
+            self._abort()
+            raise httpx.RemoteProtocolError(f"body: {exc}", request=self._request) from None
+        except OSError as exc:
+            self._abort()
+            raise httpx.ReadError(f"reading the body: {exc}", request=self._request) from exc
+        except BaseException:
+            self._abort()
+            raise
+
+    async def _readinto_direct(self, conn: AsyncConnection, mv: memoryview) -> int:
+        left = self._direct_left
+        assert left is not None
+        if left == 0:
+            self._finish()
+            return 0
+        size = min(len(mv), left, RECV_CHUNK)
+        n = await conn.sock.recv_into(mv[:size] if size < len(mv) else mv, self._timeout)
+        if n == 0:
+            raise httpx.RemoteProtocolError(
+                f"server closed the connection with {left} body bytes missing",
+                request=self._request,
+            )
+        self._direct_left = left - n
+        if self._direct_left == 0:
+            self._finish()
+        return n
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        chunk = memoryview(bytearray(HEAD_RECV))
+        while True:
+            n = await self.readinto(chunk)
+            if n == 0:
+                return
+            yield bytes(chunk[:n])
+
+    def _finish(self) -> None:
+        self.done = True
+        self._close_now()
+
+    def _abort(self) -> None:
+        self._keep_alive = False
+        self.done = True
+        self._close_now()
+
+    def _close_now(self) -> None:
+        conn, self._conn = self._conn, None
+        release, self._release_slot = self._release_slot, None
+        if conn is not None:
+            if self.done and self._keep_alive:
+                self._transport._release(conn)
+            else:
+                conn.close()
+        if release is not None:
+            release()
+
+    async def aclose(self) -> None:
+        self._close_now()
+
+
+class AsyncTransport(httpx.AsyncBaseTransport):
+    """``httpx`` transport over the SDK's own sockets, with zero-copy bodies.
+
+    >>> client = httpx.AsyncClient(transport=AsyncTransport())  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 100,
+        max_keepalive: int = 16,
+        keepalive_expiry: float = 4.0,
+    ) -> None:
+        self._max_connections = max_connections
+        self._max_keepalive = max_keepalive
+        self._expiry = keepalive_expiry
+        self._idle: dict[_Key, list[AsyncConnection]] = {}
+        self._slots: dict[_Key, AsyncSemaphore] = {}
+        self._lock = threading.Lock()  # never held across an await
+        self._closed = False
+
+    # -- pool ---------------------------------------------------------------------
+    def _slot(self, key: _Key) -> AsyncSemaphore:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = AsyncSemaphore(self._max_connections)
+            return slot
+
+    async def _acquire(
+        self, key: _Key, connect_timeout: float | None
+    ) -> tuple[AsyncConnection, bool]:
+        now = time.monotonic()
+        stale: list[AsyncConnection] = []
+        found: AsyncConnection | None = None
+        with self._lock:
+            idle = self._idle.get(key)
+            while idle:
+                conn = idle.pop()
+                if now - conn.last_used > self._expiry:
+                    stale.append(conn)
+                    continue
+                found = conn
+                break
+        for conn in stale:
+            conn.close()
+        if found is not None:
+            if not found.sock.readable():  # readable while idle: closed, or garbage
+                return found, True
+            found.close()
+        sock = await AsyncSocket.connect(key[0], key[1], connect_timeout)
+        return AsyncConnection(sock, key), False
+
+    def _release(self, conn: AsyncConnection) -> None:
+        conn.last_used = time.monotonic()
+        conn.reset()
+        with self._lock:
+            if not self._closed:
+                idle = self._idle.setdefault(conn.key, [])
+                if len(idle) < self._max_keepalive:
+                    idle.append(conn)
+                    return
+        conn.close()
+
+    async def aclose(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    # -- requests -----------------------------------------------------------------
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.scheme != "http":
+            raise httpx.UnsupportedProtocol(
+                f"the ec-cache transport speaks http:// only, not {url.scheme}://",
+                request=request,
+            )
+        key = (url.host, url.port or 80)
+        timeouts = request.extensions.get("timeout", {})
+        slot = self._slot(key)
+        if not await slot.acquire(timeouts.get("pool")):
+            raise httpx.PoolTimeout(
+                f"all {self._max_connections} connections to {key[0]}:{key[1]} stayed busy",
+                request=request,
+            )
+        try:
+            for attempt in (0, 1):
+                try:
+                    conn, reused = await self._acquire(key, timeouts.get("connect"))
+                except TimeoutError:
+                    raise httpx.ConnectTimeout(f"connecting to {key}", request=request) from None
+                except OSError as exc:
+                    raise httpx.ConnectError(
+                        f"connecting to {key}: {exc}", request=request
+                    ) from exc
+                try:
+                    return await self._exchange(conn, request, timeouts, slot.release)
+                except _Stale as stale:
+                    if reused and attempt == 0:
+                        continue  # the server had closed the idle connection: once more
+                    raise stale.error from None
+            raise AssertionError("unreachable")  # pragma: no cover
+        except BaseException:
+            slot.release()
+            raise
+
+    async def _exchange(
+        self,
+        conn: AsyncConnection,
+        request: httpx.Request,
+        timeouts: dict[str, float | None],
+        release_slot: Callable[[], None],
+    ) -> httpx.Response:
+        h = conn.h11
+        try:
+            head = h.send(
+                h11.Request(
+                    method=request.method,
+                    target=request.url.raw_path or b"/",
+                    headers=request.headers.raw,
+                )
+            )
+        except h11.LocalProtocolError as exc:
+            conn.close()
+            raise httpx.LocalProtocolError(str(exc), request=request) from None
+        assert head is not None
+        expect = any(
+            name.lower() == b"expect" and value.lower() == b"100-continue"
+            for name, value in request.headers.raw
+        )
+        write_timeout, read_timeout = timeouts.get("write"), timeouts.get("read")
+        phase = "write"
+        try:
+            event: h11.Response | None = None
+            if expect:
+                await conn.sock.sendall(head, write_timeout)
+                head = b""
+                event = await self._await_continue(conn, request, read_timeout)
+            if event is None:
+                await self._send_body(conn, head, request, write_timeout)
+                phase = "read"
+                event = await self._read_head(conn, request, read_timeout)
+        except (OSError, h11.ProtocolError) as exc:
+            early = None
+            if phase == "write" and not isinstance(exc, TimeoutError | h11.ProtocolError):
+                early = await self._early_answer(conn, request, read_timeout)
+            if early is not None:
+                return self._response(conn, early, request, read_timeout, release_slot)
+            conn.close()
+            if isinstance(exc, TimeoutError):
+                kind = httpx.WriteTimeout if phase == "write" else httpx.ReadTimeout
+                raise kind(f"timed out ({phase})", request=request) from None
+            if isinstance(exc, h11.LocalProtocolError):
+                raise httpx.LocalProtocolError(str(exc), request=request) from None
+            error: httpx.TransportError
+            if isinstance(exc, h11.RemoteProtocolError):
+                error = httpx.RemoteProtocolError(str(exc), request=request)
+            elif phase == "write":
+                error = httpx.WriteError(f"write: {exc}", request=request)
+            else:
+                error = httpx.ReadError(f"read: {exc}", request=request)
+            if not conn.received_any and isinstance(exc, OSError):
+                raise _Stale(error) from exc  # resent once if the connection was reused
+            raise error from exc
+        except BaseException:
+            conn.close()
+            raise
+        return self._response(conn, event, request, read_timeout, release_slot)
+
+    def _response(
+        self,
+        conn: AsyncConnection,
+        event: h11.Response,
+        request: httpx.Request,
+        read_timeout: float | None,
+        release_slot: Callable[[], None],
+    ) -> httpx.Response:
+        body = AsyncResponseBody(
+            self,
+            conn,
+            event,
+            request,
+            request_complete=conn.h11.our_state is h11.DONE,
+            read_timeout=read_timeout,
+            release_slot=release_slot,
+        )
+        return httpx.Response(
+            event.status_code,
+            headers=event.headers.raw_items(),
+            stream=body,
+            extensions={
+                "http_version": b"HTTP/" + event.http_version,
+                "reason_phrase": event.reason,
+                "ec_body": body,
+            },
+        )
+
+    @staticmethod
+    async def _send_body(
+        conn: AsyncConnection, pending: bytes, request: httpx.Request, timeout: float | None
+    ) -> None:
+        """Send what is left of the head, then the body; ``timeout`` bounds each write
+        (one piece of at most 8 MiB)."""
+        h, sock = conn.h11, conn.sock
+        stream = request.stream
+        if not isinstance(stream, httpx.AsyncByteStream):
+            raise TypeError("this transport needs a request stream of its own kind")
+        async for chunk in stream:
+            if not chunk:
+                continue
+            for part in h.send_with_data_passthrough(h11.Data(data=chunk)) or ():
+                if len(part) < SEND_COALESCE:
+                    pending += part
+                    continue
+                if pending:
+                    await sock.sendall(pending, timeout)
+                    pending = b""
+                await sock.sendall(part, timeout)
+        pending += h.send(h11.EndOfMessage()) or b""
+        if pending:
+            await sock.sendall(pending, timeout)
+
+    @staticmethod
+    async def _read_head(
+        conn: AsyncConnection, request: httpx.Request, timeout: float | None
+    ) -> h11.Response:
+        """The final response head; interim 1xx answers are skipped (at most
+        ``MAX_INTERIM``), and ``timeout`` bounds the whole head, not each receive."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(MAX_INTERIM + 1):
+            event = await conn.next_event(timeout, deadline)
+            if isinstance(event, h11.Response):
+                return event
+            if isinstance(event, h11.ConnectionClosed):
+                raise _Closed("server closed the connection")
+            if not isinstance(event, h11.InformationalResponse):
+                raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
+        raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
+
+    @classmethod
+    async def _await_continue(
+        cls, conn: AsyncConnection, request: httpx.Request, timeout: float | None
+    ) -> h11.Response | None:
+        """After an ``Expect: 100-continue`` head: ``None`` once the body may be sent
+        (``100 Continue``, or silence), the final answer when the server gave one."""
+        wait = EXPECT_TIMEOUT if timeout is None else min(EXPECT_TIMEOUT, timeout)
+        deadline = time.monotonic() + wait
+        for _ in range(MAX_INTERIM + 1):
+            try:
+                event = await conn.next_event(wait, deadline)
+            except TimeoutError:
+                return None
+            if isinstance(event, h11.InformationalResponse):
+                if event.status_code == 100:
+                    return None
+                continue
+            if isinstance(event, h11.Response):
+                return event
+            if isinstance(event, h11.ConnectionClosed):
+                raise _Closed("server closed the connection")
+            raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
+        raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
+
+    @classmethod
+    async def _early_answer(
+        cls, conn: AsyncConnection, request: httpx.Request, timeout: float | None
+    ) -> h11.Response | None:
+        """After a failed write: the answer the server sent before closing (an early
+        413/401/400 that rejected the body), if it can still be read."""
+        try:
+            return await cls._read_head(conn, request, timeout if timeout is not None else 5.0)
+        except (OSError, h11.ProtocolError):
+            return None
+
+
+class _Stale(Exception):
+    """Internal: the connection died before any byte of the answer came; ``error`` is
+    what the caller gets unless the request can be sent once more."""
+
+    def __init__(self, error: httpx.TransportError) -> None:
+        super().__init__(str(error))
+        self.error = error

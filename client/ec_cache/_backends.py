@@ -1,0 +1,218 @@
+"""The I/O primitives under the clients: sockets, a semaphore, sleeping, running many
+calls at once. Each has an asyncio form (``Async*``) and a blocking form.
+
+Everything above this module is written once, as asyncio code in
+:mod:`ec_cache._async`, and :mod:`ec_cache._sync` is generated from it by
+``scripts/unasync.py`` (which renames ``AsyncSocket`` to ``Socket``, drops ``await``,
+...). These primitives are the only place where the two forms are written by hand,
+because they are where asyncio and blocking I/O really differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+__all__ = [
+    "AsyncMapper",
+    "AsyncSemaphore",
+    "AsyncSocket",
+    "Mapper",
+    "Semaphore",
+    "Socket",
+    "async_sleep",
+    "sleep",
+]
+
+X = TypeVar("X")
+T = TypeVar("T")
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read (data, EOF or an error) right now."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# -- sockets -----------------------------------------------------------------------------
+class Socket:
+    """A connected blocking TCP socket; every operation takes its own timeout
+    (``None``: wait forever) and raises ``TimeoutError`` / ``OSError``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float | None) -> Socket:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        _tune(sock)
+        return cls(sock)
+
+    def sendall(self, data: bytes | memoryview, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+        self.sock.sendall(data)
+
+    def recv_into(self, mv: memoryview, timeout: float | None) -> int:
+        self.sock.settimeout(timeout)
+        return self.sock.recv_into(mv)
+
+    def readable(self) -> bool:
+        return _readable(self.sock)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class AsyncSocket:
+    """A connected non-blocking TCP socket driven by the running asyncio loop
+    (``loop.sock_recv_into`` receives straight into caller memory)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    @classmethod
+    async def connect(cls, host: str, port: int, timeout: float | None) -> AsyncSocket:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            last: OSError | None = None
+            for family, type_, proto, _, addr in infos:
+                sock = socket.socket(family, type_, proto)
+                sock.setblocking(False)
+                try:
+                    await loop.sock_connect(sock, addr)
+                except OSError as exc:
+                    sock.close()
+                    last = exc
+                    continue
+                except BaseException:
+                    sock.close()
+                    raise
+                _tune(sock)
+                return cls(sock)
+        raise last or OSError(f"no address for {host}:{port}")
+
+    async def sendall(self, data: bytes | memoryview, timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            await loop.sock_sendall(self.sock, data)
+
+    async def recv_into(self, mv: memoryview, timeout: float | None) -> int:
+        try:  # fast path: the data is already there, no timer needed
+            return self.sock.recv_into(mv)
+        except BlockingIOError:
+            pass
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            return await loop.sock_recv_into(self.sock, mv)
+
+    def readable(self) -> bool:
+        return _readable(self.sock)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+# -- a semaphore with a timeout ------------------------------------------------------
+class Semaphore:
+    def __init__(self, value: int) -> None:
+        self._sem = threading.BoundedSemaphore(value)
+
+    def acquire(self, timeout: float | None) -> bool:
+        """``False`` when ``timeout`` seconds passed without a free slot."""
+        return self._sem.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self._sem.release()
+
+
+class AsyncSemaphore:
+    def __init__(self, value: int) -> None:
+        self._sem = asyncio.BoundedSemaphore(value)
+
+    async def acquire(self, timeout: float | None) -> bool:
+        if not self._sem.locked():
+            await self._sem.acquire()  # does not wait
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await self._sem.acquire()
+        except TimeoutError:
+            return False
+        return True
+
+    def release(self) -> None:
+        self._sem.release()
+
+
+# -- sleeping ----------------------------------------------------------------------------
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def async_sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+# -- many calls at once --------------------------------------------------------------
+class Mapper:
+    """Runs ``fn`` over items, ``concurrency`` at a time, in worker threads created on
+    first use; one item runs in the calling thread."""
+
+    def __init__(self, concurrency: int) -> None:
+        self._concurrency = concurrency
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def map(self, fn: Callable[[X], T], items: Sequence[X]) -> list[T]:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self._concurrency, thread_name_prefix="ec-cache"
+                )
+            executor = self._executor
+        return list(executor.map(fn, items))
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+
+class AsyncMapper:
+    """Awaits ``fn`` over items, ``concurrency`` at a time, as tasks of the running
+    loop; one item is awaited directly."""
+
+    def __init__(self, concurrency: int) -> None:
+        self._concurrency = concurrency
+
+    async def map(self, fn: Callable[[X], Awaitable[T]], items: Sequence[X]) -> list[T]:
+        if len(items) <= 1:
+            return [await fn(item) for item in items]
+        limit = asyncio.Semaphore(self._concurrency)
+
+        async def one(item: X) -> T:
+            async with limit:
+                return await fn(item)
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+    async def aclose(self) -> None:
+        return None

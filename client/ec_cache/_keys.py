@@ -1,0 +1,75 @@
+"""The wire grammar of ``/ec/{model}/{dtype}/{hash}`` (docs/http-api.md), in one place
+for the SDK and the vLLM connector; no torch import.
+
+The server checks the same rules in ``app/keys.py`` (a separate distribution, so a
+separate copy); ``tests/data/keys.json`` is run against both so that they cannot
+drift. Every pattern is applied with ``fullmatch``: ``re.match`` with ``$`` would
+accept a trailing newline.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "DTYPE_NAMES",
+    "MAX_HASH_CHARS",
+    "MAX_MODEL_BYTES",
+    "hash_error",
+    "model_error",
+    "segment_ok",
+]
+
+MAX_MODEL_BYTES = 256
+MAX_HASH_CHARS = 256
+
+#: the dtypes ec-cache stores, by their torch names without ``torch.``
+DTYPE_NAMES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+)
+
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._@+\-]+")
+_HASH_RE = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
+
+
+def segment_ok(segment: str) -> bool:
+    """Whether ``segment`` uses only the characters of a model segment (letters, digits,
+    ``. _ - @ +``; at least one). :func:`model_error` also refuses ``.`` and ``..``."""
+    return _SEGMENT_RE.fullmatch(segment) is not None
+
+
+def model_error(model: object) -> str | None:
+    """Why ``model`` is not a valid ``{model}`` path part, or ``None`` when it is."""
+    if not isinstance(model, str) or not model:
+        return "model must be a non-empty string"
+    if len(model.encode("utf-8")) > MAX_MODEL_BYTES:
+        return f"model is longer than {MAX_MODEL_BYTES} bytes"
+    for segment in model.split("/"):
+        if segment in (".", "..") or not segment_ok(segment):
+            return (
+                f"model {model!r}: segment {segment!r} is not letters, digits, . _ @ + - "
+                "(and not empty, '.' or '..')"
+            )
+    return None
+
+
+def hash_error(value: object) -> str | None:
+    """Why ``value`` is not a valid ``{hash}`` path part, or ``None`` when it is."""
+    # "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
+    if not isinstance(value, str) or _HASH_RE.fullmatch(value) is None or value in (".", ".."):
+        return (
+            f"hash {value!r} is not 1-{MAX_HASH_CHARS} characters of letters, digits, . _ : - "
+            "(and not '.' or '..')"
+        )
+    return None

@@ -1,0 +1,3 @@
+# Generated from ec_cache/_async/__init__.py by scripts/unasync.py; do not edit.
+"""The SDK's I/O: ``ec_cache._async`` is the source, ``ec_cache._sync`` is generated
+from it by ``scripts/unasync.py``."""

@@ -1,0 +1,94 @@
+"""One key grammar: ``tests/data/keys.json`` run against every validator of
+``/ec/{model}/{dtype}/{hash}`` (server, SDK, vLLM connector), so they cannot drift."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ec_cache import InvalidKeyError
+from ec_cache._tensors import DTYPES as SDK_DTYPES
+from ec_cache._tensors import check_hash, check_model, parse_dtype
+from ec_cache._vllm.config import check_model_namespace
+from ec_cache._vllm.state import cache_key
+
+from app.errors import InvalidKey
+from app.keys import DTYPES as SERVER_DTYPES
+from app.keys import validate_dtype, validate_hash, validate_model
+
+TABLE: dict[str, Any] = json.loads(
+    (Path(__file__).parent.parent / "data" / "keys.json").read_text()
+)
+
+
+def _cases(part: str, kind: str) -> list[Any]:
+    return [pytest.param(v, id=repr(v)[:40]) for v in TABLE[part][kind]]
+
+
+def test_the_table_is_not_trivial() -> None:
+    for part in ("model", "dtype", "hash"):
+        assert len(TABLE[part]["valid"]) >= 10 and len(TABLE[part]["invalid"]) >= 10
+        assert not set(TABLE[part]["valid"]) & set(TABLE[part]["invalid"])
+
+
+# -- model ---------------------------------------------------------------------------
+@pytest.mark.parametrize("model", _cases("model", "valid"))
+def test_valid_model(model: str) -> None:
+    assert validate_model(model) == model
+    assert check_model(model) == model
+    assert check_model_namespace(model) == model
+
+
+@pytest.mark.parametrize("model", _cases("model", "invalid"))
+def test_invalid_model(model: str) -> None:
+    with pytest.raises(InvalidKey) as info:
+        validate_model(model)
+    assert info.value.part == "model"
+    with pytest.raises(InvalidKeyError):
+        check_model(model)
+    with pytest.raises(ValueError):
+        check_model_namespace(model)
+
+
+# -- dtype ---------------------------------------------------------------------------
+def test_dtype_lists_are_the_table() -> None:
+    assert list(SERVER_DTYPES) == TABLE["dtype"]["valid"]
+    assert list(SDK_DTYPES) == TABLE["dtype"]["valid"]
+
+
+@pytest.mark.parametrize("dtype", _cases("dtype", "valid"))
+def test_valid_dtype(dtype: str) -> None:
+    """The connector passes its dtype to the SDK's ``parse_dtype``."""
+    assert validate_dtype(dtype) == dtype
+    assert parse_dtype(dtype) == dtype
+    assert parse_dtype(SDK_DTYPES[dtype][0]) == dtype  # the torch.dtype spelling
+
+
+@pytest.mark.parametrize("dtype", _cases("dtype", "invalid"))
+def test_invalid_dtype(dtype: str) -> None:
+    with pytest.raises(InvalidKey):
+        validate_dtype(dtype)
+    with pytest.raises(InvalidKeyError):
+        parse_dtype(dtype)
+
+
+# -- hash ----------------------------------------------------------------------------
+@pytest.mark.parametrize("value", _cases("hash", "valid"))
+def test_valid_hash(value: str) -> None:
+    assert validate_hash(value) == value
+    assert check_hash(value) == value
+    assert cache_key(value) == value  # the connector stores a valid id as it is
+
+
+@pytest.mark.parametrize("value", _cases("hash", "invalid"))
+def test_invalid_hash(value: str) -> None:
+    with pytest.raises(InvalidKey) as info:
+        validate_hash(value)
+    assert info.value.part == "hash"
+    with pytest.raises(InvalidKeyError):
+        check_hash(value)
+    key = cache_key(value)  # the connector maps it onto a valid one
+    assert key != value and key.startswith("sha256:")
+    assert validate_hash(key) == key and check_hash(key) == key
