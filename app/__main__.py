@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging.config
+import resource
 import sys
 
 import uvicorn
 from pydantic import ValidationError
 
+from app.connections import ConnectionLimits, guarded_protocol
 from app.logs import logging_config
 from app.main import ConfigurationError, create_app
-from app.protocol import JSONErrorsHttpToolsProtocol
 from app.settings import Settings
 
 
@@ -24,6 +25,25 @@ def _explain(exc: ValidationError) -> str:
         shown = "<redacted>" if "TOKEN" in name else repr(error.get("input"))
         lines.append(f"  {name}={shown}: {error['msg']}")
     return "\n".join(lines)
+
+
+def _raise_open_files_limit(connections: int) -> None:
+    """Each connection is a file descriptor (an upload holds a second one): raise the
+    soft limit towards the hard one when it is below what the bound needs."""
+    needed = 2 * connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logging.getLogger("app").warning(
+            "open files limit %d is below the %d that EC_MAX_CONNECTIONS=%d may need",
+            target,
+            needed,
+            connections,
+        )
 
 
 def main() -> None:
@@ -43,12 +63,17 @@ def main() -> None:
         f"(data: {settings.data_dir.resolve()}, {backend})",
         flush=True,
     )
+    _raise_open_files_limit(settings.max_connections)
+    protocol = guarded_protocol(
+        ConnectionLimits.from_settings(settings), app.state.metrics.registry
+    )
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=JSONErrorsHttpToolsProtocol,  # httptools, with JSON 400s from its parser
+        http=protocol,  # httptools, with connection deadlines and a bound
+        ws="none",  # no WebSocket routes: an Upgrade request stays a plain HTTP request
         log_config=log_config,
         access_log=False,  # app.middleware writes access lines with request ids
         server_header=False,

@@ -7,6 +7,7 @@ which uvicorn hands to the transport without copying.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.responses import Response
@@ -36,8 +37,15 @@ class EntryResponse(Response):
             await send({"type": "http.response.body", "body": body.buffer})
         else:
             assert body.chunks is not None
+            # A client that is gone (or dropped by EC_SEND_TIMEOUT) makes uvicorn's send
+            # a no-op: stop pulling chunks then, so the download slot is freed at once.
+            gone = asyncio.Event()
+            watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
             try:
                 async for chunk in body.chunks:
+                    if gone.is_set():
+                        log.info("client of %s is gone: stopped sending", scope["path"])
+                        return
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except ECError as exc:
                 # Headers are out: the only honest signal left is an incomplete body.
@@ -45,5 +53,12 @@ class EntryResponse(Response):
                 log.warning("stopped sending %s after the headers: %s", scope["path"], exc)
                 return
             finally:
+                watcher.cancel()
                 await body.aclose()
             await send({"type": "http.response.body", "body": b""})
+
+
+async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()

@@ -115,6 +115,16 @@ class Settings(BaseSettings):
     #: No upload body takes longer than this, however fast it still goes (408).
     upload_timeout: float = Field(default=300.0, gt=0)
     max_header_bytes: ByteSize = Field(default=16 * 1024, ge=1024)
+    # connections (see app/connections.py)
+    #: Open connections beyond this are answered 503 and closed at once.
+    max_connections: int = Field(default=4096, ge=1)
+    #: A connection with no request in progress (a new one too) is closed after this.
+    keepalive_timeout: float = Field(default=5.0, gt=0)
+    #: A request head (and any body but a PUT's) must be in this long after its first
+    #: byte, else 408 and the connection is closed (slowloris).
+    header_timeout: float = Field(default=10.0, gt=0)
+    #: A client that accepts no response bytes for this long is dropped.
+    send_timeout: float = Field(default=30.0, gt=0)
     #: SIGTERM: stop accepting, then wait this long for in-flight requests.
     shutdown_timeout: int = Field(default=30, ge=0)
 

@@ -196,6 +196,10 @@ class Store:
             batched = 0
             async for chunk in body:
                 validator.feed(chunk)
+                if pending.expected is None and validator.header is not None:
+                    # No Content-Length: the header gives the length; refuse now if
+                    # it cannot fit rather than evict for it.
+                    await anyio.to_thread.run_sync(pending.expect, validator.header.total_length)
                 batch.append(chunk)
                 batched += len(chunk)
                 if batched >= WRITE_BATCH_BYTES:

@@ -240,6 +240,10 @@ schema = {
                 "uploadRateGrace": pos_num("EC_UPLOAD_RATE_GRACE (seconds)", zero=True),
                 "uploadTimeout": pos_num("EC_UPLOAD_TIMEOUT (seconds)"),
                 "maxHeaderBytes": opt_size("EC_MAX_HEADER_BYTES"),
+                "maxConnections": opt_int("EC_MAX_CONNECTIONS", 1),
+                "keepaliveTimeout": pos_num("EC_KEEPALIVE_TIMEOUT (seconds)"),
+                "headerTimeout": pos_num("EC_HEADER_TIMEOUT (seconds)"),
+                "sendTimeout": pos_num("EC_SEND_TIMEOUT (seconds)"),
                 "shutdownTimeout": pos_num("EC_SHUTDOWN_TIMEOUT (seconds)", zero=True),
             },
             required=[

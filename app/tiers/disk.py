@@ -33,12 +33,12 @@ import struct
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.checksum import crc32c, to_hex
-from app.errors import ECError, InsufficientStorage, InvalidKey
+from app.errors import ECError, InsufficientStorage, InvalidKey, Unavailable
 from app.keys import EntryKey
 from app.safetensors_format import (
     TensorHeader,
@@ -56,6 +56,8 @@ KEYS_LOG = "keys.log"
 KEYS_LOG_SLACK = 4096
 Namespace = tuple[str, str]
 _Signature = tuple[int, int, int, int]
+#: Kept free beyond a body's own bytes when making room for it (file system metadata).
+SPACE_SLACK_BYTES = 1024 * 1024
 
 
 def _signature(st: os.stat_result) -> _Signature:
@@ -120,7 +122,7 @@ class OpenedEntry:
         return EntryBody(info, buffer=memoryview(self.view))
 
 
-@dataclass
+@dataclass(eq=False)
 class PendingWrite:
     """A temp file being filled; ``commit`` publishes it, ``abort`` removes it."""
 
@@ -130,9 +132,24 @@ class PendingWrite:
     path: Path
     written: int = 0
     done: bool = field(default=False)
+    #: The body's whole length once known (Content-Length, or its safetensors header):
+    #: space for what is still to come is reserved against other uploads.
+    expected: int | None = None
+
+    @property
+    def remaining(self) -> int:
+        """Bytes still to be written that this upload has reserved."""
+        return max((self.expected or 0) - self.written, 0)
+
+    def expect(self, total: int) -> None:
+        """Learn the body's length: refuse it now (nothing evicted) if it cannot fit."""
+        if self.expected is None:
+            self.tier._reserve(self, total)
 
     def write(self, chunks: Sequence[bytes | memoryview]) -> None:
-        """Append ``chunks``; on a full file system evict once, then give up with 507."""
+        """Append ``chunks``. On a full file system, evict least recently used entries
+        once per batch, and only when the rest of the body can fit once they are gone:
+        a body that cannot fit is refused (507) with every entry left in place."""
         views = [memoryview(chunk) for chunk in chunks]
         evicted = False
         while views:
@@ -141,14 +158,15 @@ class PendingWrite:
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                needed = sum(len(view) for view in views)
-                if evicted or self.tier.evict_bytes(needed) < needed:
+                needed = max(self.remaining, sum(len(view) for view in views))
+                if evicted or not self.tier._make_room(self, needed):
                     raise InsufficientStorage(
                         f"the disk tier's file system is full ({exc.strerror})"
                     ) from None
                 evicted = True
                 continue
-            self.written += n
+            with self.tier._lock:
+                self.written += n
             while views and n >= len(views[0]):
                 n -= len(views[0])
                 views.pop(0)
@@ -158,6 +176,7 @@ class PendingWrite:
     def commit(self, crc: int, header: TensorHeader) -> bool:
         """Publish the file; False (and nothing stored) when the key already exists."""
         self.done = True
+        self.tier._unreserve(self)
         try:
             if self.tier.contains(self.key):  # first writer already won: spare the fsync
                 os.close(self.fd)
@@ -175,6 +194,7 @@ class PendingWrite:
         if self.done:
             return
         self.done = True
+        self.tier._unreserve(self)
         with contextlib.suppress(OSError):
             os.close(self.fd)
         with contextlib.suppress(FileNotFoundError):
@@ -186,9 +206,16 @@ class DiskTier:
 
     name = "disk"
 
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        max_bytes: int,
+        statvfs: Callable[[Path], os.statvfs_result] = os.statvfs,
+    ) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self._statvfs = statvfs
+        self._writes: set[PendingWrite] = set()  # in flight, with their reservations
         self._objects = root / "objects"
         self._tmp = root / "tmp"
         self._lock = threading.Lock()
@@ -319,13 +346,72 @@ class DiskTier:
     # -- writes -------------------------------------------------------------------
 
     def begin_write(self, key: EntryKey, expected_size: int | None = None) -> PendingWrite:
-        if expected_size is not None and expected_size > self.max_bytes:
+        """A temp file for a new entry; with ``expected_size``, refused at once (507, or
+        503 while other uploads hold the space) when the body cannot fit."""
+        pending = PendingWrite(self, key, -1, self._tmp)
+        if expected_size is not None:
+            self._reserve(pending, expected_size)
+        try:
+            fd, name = tempfile.mkstemp(dir=self._tmp, prefix="put-", suffix=".part")
+        except BaseException:
+            self._unreserve(pending)
+            raise
+        pending.fd, pending.path = fd, Path(name)
+        return pending
+
+    # -- space: never evict for a body that cannot fit -------------------------------
+
+    def _check_fits_locked(self, pending: PendingWrite, needed: int) -> int:
+        """Raise when ``needed`` more bytes cannot fit: 507 when they never can (free
+        space plus what eviction could free), 503 when only the bytes other uploads in
+        flight have reserved are in the way. Else return the free bytes not reserved."""
+        if pending.written + needed > self.max_bytes:
             raise InsufficientStorage(
-                f"entry of {expected_size} bytes is larger than the disk tier "
+                f"entry of {pending.written + needed} bytes is larger than the disk tier "
                 f"({self.max_bytes} bytes)"
             )
-        fd, name = tempfile.mkstemp(dir=self._tmp, prefix="put-", suffix=".part")
-        return PendingWrite(self, key, fd, Path(name))
+        st = self._statvfs(self._tmp)
+        free = st.f_bavail * st.f_frsize
+        reserved = sum(other.remaining for other in self._writes if other is not pending)
+        if needed <= free - reserved:
+            return free - reserved  # the common case: no need to count evictable bytes
+        pinned = sum(
+            entry.size for digest in self._pinned if (entry := self._index.get(digest)) is not None
+        )
+        evictable = self._used - pinned
+        if needed > free + evictable:
+            raise InsufficientStorage(
+                f"entry needs {needed} more bytes: the disk tier's file system has {free} "
+                f"free and eviction could free {evictable}"
+            )
+        if needed > free + evictable - reserved:
+            raise Unavailable(
+                f"entry needs {needed} more bytes and other uploads in flight reserve "
+                f"{reserved} of the {free + evictable} the disk tier can free: retry",
+                retry_after=1,
+            )
+        return free - reserved
+
+    def _reserve(self, pending: PendingWrite, total: int) -> None:
+        with self._lock:
+            self._check_fits_locked(pending, max(total - pending.written, 0))
+            pending.expected = total
+            self._writes.add(pending)
+
+    def _unreserve(self, pending: PendingWrite) -> None:
+        with self._lock:
+            self._writes.discard(pending)
+
+    def _make_room(self, pending: PendingWrite, needed: int) -> bool:
+        """After ENOSPC: evict just enough for ``needed`` more bytes (plus slack) if they
+        can fit once evicted; raise (nothing evicted) if they cannot."""
+        with self._lock:
+            unreserved_free = self._check_fits_locked(pending, needed)
+            victims = self._evict_locked(
+                until_freed=max(needed - unreserved_free, 0) + SPACE_SLACK_BYTES
+            )
+        self._unlink(victims)
+        return bool(victims)
 
     def _publish(self, pending: PendingWrite, crc: int, header: TensorHeader) -> bool:
         digest = pending.key.digest
@@ -396,13 +482,6 @@ class DiskTier:
                 corrupt_removed=self._corrupt_removed,
                 pinned=len(self._pinned),
             )
-
-    def evict_bytes(self, nbytes: int) -> int:
-        """Evict least recently used, unpinned entries until ``nbytes`` are freed."""
-        with self._lock:
-            victims = self._evict_locked(until_freed=nbytes)
-        self._unlink(victims)
-        return sum(entry.size for entry in victims)
 
     def _evict_locked(self, until_freed: int | None = None) -> list[_Entry]:
         """Pop least recently used, unpinned entries until within the bound (or until

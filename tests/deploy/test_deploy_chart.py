@@ -187,6 +187,10 @@ EVERY_SETTING: dict[str, Any] = {
         "uploadRateGrace": 5,
         "uploadTimeout": 600,
         "maxHeaderBytes": "16KiB",
+        "maxConnections": 2048,
+        "keepaliveTimeout": 4,
+        "headerTimeout": 5,
+        "sendTimeout": 20,
         "shutdownTimeout": 25,
     },
     "auth": {

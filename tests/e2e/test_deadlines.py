@@ -6,6 +6,7 @@ off within its configured time, and well-behaved clients are served meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -95,3 +96,146 @@ def test_upload_total_deadline(tmp_path: Path) -> None:
         assert 1.5 < seconds < 6
         assert list((tmp_path / "d" / "tmp").iterdir()) == []
         assert httpx.head(srv.url + "/ec/m/uint8/slow").status_code == 404
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
+    """Read until the server closes (EOF or reset); (bytes read, seconds it took).
+    Raises TimeoutError when the connection is still open after ``seconds``."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data, time.monotonic() - start
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_idle_connections_are_closed(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "d", tmp_path / "log", keepalive_timeout="1") as srv:
+        never = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(50)]
+        after_one = socket.create_connection(("127.0.0.1", srv.port))
+        after_one.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert rawhttp._read_response(after_one).status == 200
+        for sock in [*never, after_one]:
+            data, seconds = _closed_within(sock, 5)
+            assert data == b""  # closed without a word: it asked nothing
+            assert seconds < 3
+            sock.close()
+        assert _metric(srv.url, 'ec_connections_dropped_total{reason="idle"}') >= 51
+
+
+def test_slowloris_heads_are_answered_408_and_closed(tmp_path: Path) -> None:
+    with ServerProcess(
+        tmp_path / "d", tmp_path / "log", header_timeout="1", keepalive_timeout="30"
+    ) as srv:
+        lorises = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(20)]
+        started = time.monotonic()
+        stop = threading.Event()
+
+        def trickle() -> None:
+            for sock in lorises:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+            for i in range(100):
+                if stop.wait(0.2):
+                    return
+                for sock in lorises:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(f"X-Slow-{i}: y\r\n".encode())
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            time.sleep(0.3)
+            assert httpx.get(srv.url + "/healthz").status_code == 200  # others are served
+            for sock in lorises:
+                response = rawhttp._read_response(sock)
+                assert response.status == 408
+                assert response.json()["error"] == "request_timeout"
+                assert time.monotonic() - started < 4
+        finally:
+            stop.set()
+            thread.join()
+            for sock in lorises:
+                sock.close()
+        # A body other than a PUT's must arrive within the same deadline.
+        post = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        post.sendall(
+            b"POST /ec/m/uint8/_exists HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"hashes": '
+        )
+        started = time.monotonic()
+        response = rawhttp._read_response(post)
+        post.close()
+        assert (response.status, response.json()["error"]) == (408, "request_timeout")
+        assert time.monotonic() - started < 4
+        assert _metric(srv.url, 'ec_connections_dropped_total{reason="header_timeout"}') == 21
+
+
+def test_stalled_reader_is_dropped_and_frees_its_slot(tmp_path: Path) -> None:
+    with ServerProcess(
+        tmp_path / "d",
+        tmp_path / "log",
+        send_timeout="1",
+        max_concurrent_downloads="1",
+        keepalive_timeout="30",
+    ) as srv:
+        data = body((32_000_000,), "U8", 1)
+        assert httpx.put(srv.url + "/ec/m/uint8/large", content=data).status_code == 201
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        stalled.connect(("127.0.0.1", srv.port))
+        stalled.sendall(b"GET /ec/m/uint8/large HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(3)  # reads nothing: the server must give up on it
+        assert _metric(srv.url, 'ec_connections_dropped_total{reason="send_timeout"}') == 1
+        # The slot is free and the next reader gets every byte.
+        assert httpx.get(srv.url + "/ec/m/uint8/large").content == data
+        received, _ = _closed_within(stalled, 5)
+        stalled.close()
+        assert len(received) < len(data)  # cut off, not sent in full
+
+
+def test_connections_beyond_the_bound_are_refused_at_once(tmp_path: Path) -> None:
+    with ServerProcess(
+        tmp_path / "d", tmp_path / "log", max_connections="20", keepalive_timeout="30"
+    ) as srv:
+        held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]
+        time.sleep(0.5)  # all accepted by the server
+        extra = socket.create_connection(("127.0.0.1", srv.port))
+        data, seconds = _closed_within(extra, 5)
+        extra.close()
+        assert seconds < 1
+        assert b" 503 " in data.split(b"\r\n", 1)[0]
+        assert b'"too_many_connections"' in data
+        for sock in held:
+            sock.close()
+        time.sleep(0.5)
+        assert httpx.get(srv.url + "/healthz").status_code == 200
+        assert _metric(srv.url, 'ec_connections_dropped_total{reason="limit"}') == 1
+
+
+def test_upgrade_requests_are_plain_http(server: ServerProcess) -> None:
+    # No WebSocket routes: an Upgrade header neither switches protocols (escaping the
+    # connection bounds) nor writes warnings to the log.
+    upgrade = {
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+    }
+    for _ in range(3):
+        assert rawhttp.request(server.port, "GET", "/healthz", upgrade).status == 200
+    time.sleep(0.2)
+    assert _metric(server.url, "ec_connections_open") == 1  # this request's own
+    assert "WebSocket" not in server.log_path.read_text()

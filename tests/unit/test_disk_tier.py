@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from app.checksum import crc32c
-from app.errors import InsufficientStorage
+from app.errors import InsufficientStorage, Unavailable
 from app.keys import EntryKey
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier
@@ -188,3 +188,45 @@ def test_concurrent_writers_readers_and_deleters(tmp_path: Path) -> None:
     assert stats.entries == len(on_disk)
     assert stats.used_bytes == sum(p.stat().st_size for p in on_disk)
     assert _files(tmp_path / "tmp") == []
+
+
+class _FakeFs:
+    """A file system of ``free`` bytes as ``statvfs`` reports it (4 KiB blocks)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def __call__(self, path: Path) -> os.statvfs_result:
+        blocks = self.free // 4096
+        return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
+
+
+def test_a_body_that_cannot_fit_is_refused_before_anything_is_evicted(tmp_path: Path) -> None:
+    fs = _FakeFs(free=40_960)
+    tier = DiskTier(tmp_path, max_bytes=10**9, statvfs=fs)
+    tier.rebuild()
+    entries = {name: body((20_000,), "U8", 1, seed=i) for i, name in enumerate("abc")}
+    for name, data in entries.items():
+        assert _put(tier, name, data)
+    # 40 KiB free + 60 KB evictable: 120 KB can never fit, whatever is evicted.
+    with pytest.raises(InsufficientStorage, match="eviction could free"):
+        tier.begin_write(_key("big"), 120_000)
+    tier.pin(_key("a"))  # pinned entries (write-back) do not count as evictable
+    with pytest.raises(InsufficientStorage):
+        tier.begin_write(_key("big"), 85_000)
+    assert {name: _read(tier, name) for name in entries} == entries
+    assert tier.stats().evictions == 0
+    assert _files(tier.root / "tmp") == []
+
+
+def test_in_flight_uploads_reserve_their_space(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, max_bytes=10**9, statvfs=_FakeFs(free=100_000))
+    tier.rebuild()
+    first = tier.begin_write(_key("first"), 70_000)
+    with pytest.raises(Unavailable):  # fits alone, not beside the first
+        tier.begin_write(_key("second"), 70_000)
+    first.write([b"x" * 50_000])  # written bytes leave the reservation
+    assert first.remaining == 20_000
+    first.abort()  # the reservation goes with the upload
+    tier.begin_write(_key("second"), 70_000).abort()
+    assert _files(tier.root / "tmp") == []

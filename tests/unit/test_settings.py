@@ -90,3 +90,34 @@ def test_start_up_names_the_bad_variable(name: str, value: str) -> None:
     assert result.returncode != 0
     assert name in result.stderr
     assert "invalid configuration" in result.stderr
+
+
+def test_connection_and_upload_deadline_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("EC_"):
+            monkeypatch.delenv(name)
+    s = Settings()
+    assert (s.upload_min_rate, s.upload_rate_grace, s.upload_timeout) == (1 << 20, 10.0, 300.0)
+    assert (s.max_connections, s.keepalive_timeout) == (4096, 5.0)
+    assert (s.header_timeout, s.send_timeout) == (10.0, 30.0)
+    monkeypatch.setenv("EC_UPLOAD_MIN_RATE", "256KiB")
+    monkeypatch.setenv("EC_UPLOAD_RATE_GRACE", "0")
+    assert (Settings().upload_min_rate, Settings().upload_rate_grace) == (256 << 10, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("EC_MAX_CONNECTIONS", "0"),
+        ("EC_KEEPALIVE_TIMEOUT", "0"),
+        ("EC_HEADER_TIMEOUT", "-1"),
+        ("EC_SEND_TIMEOUT", "soon"),
+        ("EC_UPLOAD_TIMEOUT", "0"),
+        ("EC_UPLOAD_MIN_RATE", "fast"),
+        ("EC_UPLOAD_RATE_GRACE", "-1"),
+    ],
+)
+def test_bad_deadlines_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError):
+        Settings()

@@ -122,6 +122,10 @@ EC_S3_CREATE_BUCKET: {{ ternary "true" "false" (eq (toString $c.s3.createBucket)
   (list "EC_UPLOAD_RATE_GRACE" $c.uploadRateGrace "")
   (list "EC_UPLOAD_TIMEOUT" $c.uploadTimeout "")
   (list "EC_MAX_HEADER_BYTES" $c.maxHeaderBytes "size")
+  (list "EC_MAX_CONNECTIONS" $c.maxConnections "")
+  (list "EC_KEEPALIVE_TIMEOUT" $c.keepaliveTimeout "")
+  (list "EC_HEADER_TIMEOUT" $c.headerTimeout "")
+  (list "EC_SEND_TIMEOUT" $c.sendTimeout "")
   (list "EC_SHUTDOWN_TIMEOUT" $c.shutdownTimeout "")
 }}
 {{- range $optional }}

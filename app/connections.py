@@ -1,0 +1,272 @@
+"""Connection deadlines and a bound on open connections: a uvicorn protocol subclass.
+
+uvicorn's httptools protocol bounds none of these itself: a connection that never sends
+a request, a request head trickled a byte at a time (slowloris) and a client that stops
+reading a response are all held for as long as the client likes, and so are the upload
+or download slot, the task and the mmap'd file behind them. ``GuardedHttpProtocol``
+(on top of ``app.protocol``'s JSON 400s) adds, per connection and with no task of
+its own (loop timers only):
+
+* a bound on open connections (``EC_MAX_CONNECTIONS``): one more is answered 503
+  ``too_many_connections`` (``Connection: close``, ``Retry-After: 1``) and closed at once;
+* an idle deadline (``EC_KEEPALIVE_TIMEOUT``): a connection with no request in progress,
+  a new one included, is closed after this long (uvicorn's keep-alive timer, which it
+  starts only after a first response);
+* a request-head deadline (``EC_HEADER_TIMEOUT``): from the first byte of a request, its
+  head (and, for other methods than PUT, its whole body) must be in within this long,
+  else 408 ``request_timeout`` and the connection is closed. PUT bodies have their own
+  deadlines (``EC_UPLOAD_*``, see ``app.api``);
+* a send deadline (``EC_SEND_TIMEOUT``): while response bytes wait in the write buffer,
+  the client must accept some within this long, else the connection is dropped (reset).
+  A reader that stops reading a large GET then frees its download slot, its task and
+  the mmap held by the unsent bytes.
+
+Drops are counted in ``ec_connections_dropped_total{reason}``, open connections in
+``ec_connections_open``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.server import ServerState
+
+from app.protocol import JSONErrorsHttpToolsProtocol
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: Reasons a connection is dropped (the label values of the counter).
+DROP_REASONS = ("limit", "idle", "header_timeout", "send_timeout")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int
+    keepalive_timeout: float
+    header_timeout: float
+    send_timeout: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ConnectionLimits:
+        return cls(
+            settings.max_connections,
+            settings.keepalive_timeout,
+            settings.header_timeout,
+            settings.send_timeout,
+        )
+
+
+class ConnectionMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.open = Gauge("ec_connections_open", "Open HTTP connections.", registry=registry)
+        self.dropped = Counter(
+            "ec_connections_dropped",
+            "Connections closed by the server's bounds: limit (over EC_MAX_CONNECTIONS), "
+            "idle (EC_KEEPALIVE_TIMEOUT), header_timeout (EC_HEADER_TIMEOUT), "
+            "send_timeout (EC_SEND_TIMEOUT).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+
+
+def _json_response(status: int, code: str, message: str, extra: bytes = b"") -> bytes:
+    body = json.dumps({"error": code, "message": message, "part": None}).encode()
+    return b"".join(
+        [
+            STATUS_LINE[status],
+            b"content-type: application/json\r\n",
+            b"content-length: " + str(len(body)).encode() + b"\r\n",
+            b"connection: close\r\n",
+            extra,
+            b"\r\n",
+            body,
+        ]
+    )
+
+
+class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
+    """uvicorn's httptools protocol (with JSON 400s, ``app.protocol``) and the
+    deadlines and bound of the module docstring.
+
+    Use ``guarded_protocol`` to get a subclass bound to limits and metrics."""
+
+    limits: ClassVar[ConnectionLimits]
+    metrics: ClassVar[ConnectionMetrics]
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.timeout_keep_alive = self.limits.keepalive_timeout  # type: ignore[assignment]
+        self._refused = False
+        self._counted = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._send_left = 0
+        self._send_progress = 0.0
+
+    # -- the bound and the idle deadline -------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self._refused = True
+            self.transport = transport
+            self.metrics.dropped.labels("limit").inc()
+            transport.write(
+                _json_response(
+                    503,
+                    "too_many_connections",
+                    f"the server holds its maximum of {self.limits.max_connections} "
+                    "connections: retry",
+                    b"retry-after: 1\r\n",
+                )
+            )
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._counted = True
+        self.metrics.open.inc()
+        # uvicorn arms its keep-alive timer only after a response: arm it for the
+        # first request too, so a connection that never sends one is closed.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._head_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._send_timer = None
+        if self._refused:
+            return
+        if self._counted:
+            self._counted = False
+            self.metrics.open.dec()
+        super().connection_lost(exc)
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            self.metrics.dropped.labels("idle").inc()
+        super().timeout_keep_alive_handler()
+        self._watch_send()  # bytes still unsent: the send deadline still applies
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # Served with ws="none": an Upgrade request is answered as plain HTTP. uvicorn's
+        # two warning lines per such request would let any client flood the log.
+        log.debug("ignoring an Upgrade request header")
+
+    # -- the request-head deadline ------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._head_timer = self.loop.call_later(
+                self.limits.header_timeout, self._head_timed_out
+            )
+        super().data_received(data)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self.scope.get("method") == "PUT":  # upload bodies: app.api's deadlines
+            self._cancel_head_timer()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._cancel_head_timer()
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        self.metrics.dropped.labels("header_timeout").inc()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:  # cannot answer any more: drop
+                self.transport.abort()
+                return
+            # The app is waiting for the body: it sees a disconnect, sends nothing.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.write(
+            _json_response(
+                408,
+                "request_timeout",
+                f"request not received within {self.limits.header_timeout:g} s",
+            )
+        )
+        self.transport.close()
+
+    # -- the send deadline --------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_send()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_send()
+
+    def _watch_send(self) -> None:
+        """Check the write buffer until it is empty; drop the connection when it has
+        not shrunk for ``send_timeout`` seconds."""
+        if self._send_timer is not None or self._refused:
+            return
+        left = self.transport.get_write_buffer_size()
+        if left == 0:
+            return
+        self._send_left = left
+        self._send_progress = self.loop.time()
+        self._send_timer = self.loop.call_later(self._send_tick, self._check_send)
+
+    @property
+    def _send_tick(self) -> float:
+        return min(1.0, self.limits.send_timeout / 4)
+
+    def _check_send(self) -> None:
+        self._send_timer = None
+        left = self.transport.get_write_buffer_size()
+        if left == 0:
+            return
+        now = self.loop.time()
+        if left < self._send_left:
+            self._send_left = left
+            self._send_progress = now
+        elif now - self._send_progress >= self.limits.send_timeout:
+            self.metrics.dropped.labels("send_timeout").inc()
+            log.warning(
+                "dropping %s: it accepted no response bytes for %g s (%d unsent)",
+                f"{self.client[0]}:{self.client[1]}" if self.client else "a client",
+                self.limits.send_timeout,
+                left,
+            )
+            self.transport.abort()
+            return
+        self._send_timer = self.loop.call_later(self._send_tick, self._check_send)
+
+
+def guarded_protocol(
+    limits: ConnectionLimits, registry: CollectorRegistry
+) -> type[GuardedHttpProtocol]:
+    """A ``GuardedHttpProtocol`` subclass for ``uvicorn.run(http=...)``."""
+    metrics = ConnectionMetrics(registry)
+    return type("ECHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "metrics": metrics})
