@@ -53,6 +53,7 @@ class Socket:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self._timeout = sock.gettimeout()
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float | None) -> Socket:
@@ -60,12 +61,18 @@ class Socket:
         _tune(sock)
         return cls(sock)
 
+    def _set_timeout(self, timeout: float | None) -> None:
+        # settimeout is two fcntl calls every time; a body is many receives
+        if timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
+
     def sendall(self, data: bytes | memoryview, timeout: float | None) -> None:
-        self.sock.settimeout(timeout)
+        self._set_timeout(timeout)
         self.sock.sendall(data)
 
     def recv_into(self, mv: memoryview, timeout: float | None) -> int:
-        self.sock.settimeout(timeout)
+        self._set_timeout(timeout)
         return self.sock.recv_into(mv)
 
     def readable(self) -> bool:

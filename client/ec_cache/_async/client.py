@@ -95,6 +95,7 @@ class AsyncClient(ClientBase):
             headers=_core.default_headers(token, dict(headers) if headers else None),
             follow_redirects=False,
         )
+        _core.without_cookies(self._http)
         self._mapper = AsyncMapper(self.limits.concurrency)
 
     # -- public API -----------------------------------------------------------------

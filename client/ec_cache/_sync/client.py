@@ -96,6 +96,7 @@ class Client(ClientBase):
             headers=_core.default_headers(token, dict(headers) if headers else None),
             follow_redirects=False,
         )
+        _core.without_cookies(self._http)
         self._mapper = Mapper(self.limits.concurrency)
 
     # -- public API -----------------------------------------------------------------
