@@ -33,18 +33,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.server import ServerState
 
+from app.metrics import ConnectionMetrics
 from app.protocol import JSONErrorsHttpToolsProtocol
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
-
-#: Reasons a connection is dropped (the label values of the counter).
-DROP_REASONS = ("limit", "idle", "header_timeout", "send_timeout")
 
 
 @dataclass(frozen=True)
@@ -62,21 +60,6 @@ class ConnectionLimits:
             settings.header_timeout,
             settings.send_timeout,
         )
-
-
-class ConnectionMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.open = Gauge("ec_connections_open", "Open HTTP connections.", registry=registry)
-        self.dropped = Counter(
-            "ec_connections_dropped",
-            "Connections closed by the server's bounds: limit (over EC_MAX_CONNECTIONS), "
-            "idle (EC_KEEPALIVE_TIMEOUT), header_timeout (EC_HEADER_TIMEOUT), "
-            "send_timeout (EC_SEND_TIMEOUT).",
-            ["reason"],
-            registry=registry,
-        )
-        for reason in DROP_REASONS:
-            self.dropped.labels(reason)
 
 
 def _json_response(status: int, code: str, message: str, extra: bytes = b"") -> bytes:

@@ -4,7 +4,8 @@ One registry per app (so tests can run several apps): :class:`Metrics` holds the
 lookup, readiness and disk series; the S3 backend, read-through and write-back queue
 register theirs on the same registry through :class:`S3Metrics`,
 :class:`ReadThroughMetrics` and :class:`UploadQueueMetrics` when they exist (a
-disk-only server exports no ``ec_s3_*`` series).
+disk-only server exports no ``ec_s3_*`` series); the connection guard of ``python -m
+app`` through :class:`ConnectionMetrics`.
 """
 
 from __future__ import annotations
@@ -246,6 +247,27 @@ class UploadQueueMetrics:
             "Write-back PUTs done as write-through because the upload queue was full.",
             registry=registry,
         )
+
+
+#: Why ``app.connections`` closes a connection (the label values of its counter).
+CONNECTION_DROP_REASONS = ("limit", "idle", "header_timeout", "send_timeout")
+
+
+class ConnectionMetrics:
+    """Open connections and those dropped by ``app.connections``' bounds."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.open = Gauge("ec_connections_open", "Open HTTP connections.", registry=registry)
+        self.dropped = Counter(
+            "ec_connections_dropped",
+            "Connections closed by the server's bounds: limit (over EC_MAX_CONNECTIONS), "
+            "idle (EC_KEEPALIVE_TIMEOUT), header_timeout (EC_HEADER_TIMEOUT), "
+            "send_timeout (EC_SEND_TIMEOUT).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in CONNECTION_DROP_REASONS:
+            self.dropped.labels(reason)
 
 
 class _S3UpCollector(Collector):
