@@ -255,6 +255,18 @@ def test_keep_alive_is_used_when_both_sides_complete(hostile: Any, client_factor
     assert srv.connections == 1 and srv2.connections == 1
 
 
+def test_no_reuse_after_an_answer_to_an_unsent_body(hostile: Any, client_factory: Factory) -> None:
+    """A 412 to an ``Expect: 100-continue`` PUT leaves the request incomplete (its body
+    was never sent): the connection is closed even though the server keeps it open."""
+    refused = b"HTTP/1.1 412 Precondition Failed\r\nContent-Length: 0\r\n\r\n"
+    srv = hostile(lambda head: [refused] if head.startswith(b"PUT") else [entry_head() + BODY])
+    c = client_for(client_factory, srv)
+    assert c.put("h", T) is False
+    assert b"expect: 100-continue" in srv.requests[0].lower()
+    assert torch.equal(c.get("h"), T)
+    assert srv.connections == 2
+
+
 def test_slow_drip_of_the_body_times_out(hostile: Any, client_factory: Factory) -> None:
     srv = hostile(always(entry_head() + BODY[:20], 2.0, BODY[20:]))
     c = client_for(client_factory, srv)
