@@ -82,25 +82,21 @@ async def _with_deadlines(chunks: AsyncIterator[bytes], settings: Settings) -> A
     """
     iterator = aiter(chunks)
     idle = settings.body_read_timeout
+    total = settings.upload_timeout
     rate = settings.upload_min_rate
     grace = settings.upload_rate_grace
+    # Formatted once: the loop below runs for every chunk of the body.
+    idle_reason = f"no body bytes received for {idle:g} s"
+    total_reason = f"upload took over {total:g} s"
+    rate_reason = f"upload slower than {rate} bytes/s (after a {grace:g} s grace period)"
     start = time.monotonic()
     received = 0
     while True:
         now = time.monotonic() - start
-        limits = [(idle, f"no body bytes received for {idle:g} s")]
-        limits.append(
-            (settings.upload_timeout - now, f"upload took over {settings.upload_timeout:g} s")
-        )
+        wait, reason = min((idle, idle_reason), (total - now, total_reason))
         if rate:
             # The moment the average since the grace period falls below the rate.
-            limits.append(
-                (
-                    grace + received / rate - now,
-                    f"upload slower than {rate} bytes/s (after a {grace:g} s grace period)",
-                )
-            )
-        wait, reason = min(limits)
+            wait, reason = min((wait, reason), (grace + received / rate - now, rate_reason))
         with anyio.move_on_after(max(wait, 0)) as scope:
             try:
                 chunk = await anext(iterator)
