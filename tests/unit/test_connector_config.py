@@ -22,7 +22,7 @@ SIZES = {
     "2T": 2 << 40,
     "7B": 7,
 }
-NOT_SIZES = ["", "lots", "1.5GiB", "-1", "+5", "512 MiB extra", "0x10", "1_0", "5PB"]
+NOT_SIZES = ["", "lots", "1.5GiB", "-1", "+5", "512 MiB extra", "0x10", "1_0", "5PB", "\u0665M"]
 
 
 @pytest.mark.parametrize("parse", [server_parse_size, connector_parse_size])

@@ -15,7 +15,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from ec_cache._keys import model_error, segment_ok
 
-_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+# re.ASCII, as the server's: \d and int() would take any Unicode digit.
+_SIZE = re.compile(r"\s*([0-9]+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE | re.ASCII)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
