@@ -141,9 +141,7 @@ def _load_json(raw: bytes | bytearray | memoryview) -> object:
         )
     except UnicodeDecodeError as exc:
         raise InvalidBody(f"safetensors header is not valid UTF-8: {exc.reason}") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidBody(f"safetensors header is not valid JSON: {exc}") from None
-    except _Refused as exc:
+    except (json.JSONDecodeError, _Refused) as exc:
         raise InvalidBody(f"safetensors header is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidBody("safetensors header nests too deeply") from None
