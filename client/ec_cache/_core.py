@@ -347,7 +347,7 @@ class Receiver:
         out: torch.Tensor | None,
         pool: BufferPool,
         verify: bool,
-        max_bytes: int | None = None,
+        max_bytes: int,
     ) -> None:
         self.dtype = dtype
         self.max_bytes = max_bytes
@@ -375,7 +375,7 @@ class Receiver:
         """Check the header against the client and the ``X-EC-*`` headers, and return
         the memory the tensor data must be received into."""
         meta = parse_header(header, total=self.total)
-        if self.max_bytes is not None and meta.total > self.max_bytes:
+        if meta.total > self.max_bytes:
             raise IntegrityError(
                 f"{self.url}: entry of {meta.total} bytes is larger than "
                 f"Limits.max_body_bytes ({self.max_bytes})"

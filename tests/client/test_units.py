@@ -285,7 +285,14 @@ def _receive(rx: Receiver, body: bytes) -> torch.Tensor:
 
 def _rx(resp: httpx.Response, pool: BufferPool, **kw: Any) -> Receiver:
     args: dict[str, Any] = dict(
-        dtype="bfloat16", resp=resp, url="u", device=None, out=None, pool=pool, verify=True
+        dtype="bfloat16",
+        resp=resp,
+        url="u",
+        device=None,
+        out=None,
+        pool=pool,
+        verify=True,
+        max_bytes=Limits().max_body_bytes,
     )
     args.update(kw)
     return Receiver(**args)
