@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging.config
 import resource
 import sys
+from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from app.connections import ConnectionLimits, guarded_protocol
@@ -64,21 +66,25 @@ def main() -> None:
         flush=True,
     )
     _raise_open_files_limit(settings.max_connections)
-    protocol = guarded_protocol(
-        ConnectionLimits.from_settings(settings), app.state.metrics.registry
-    )
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http=protocol,  # httptools, with connection deadlines and a bound
-        ws="none",  # no WebSocket routes: an Upgrade request stays a plain HTTP request
-        log_config=log_config,
-        access_log=False,  # app.middleware writes access lines with request ids
-        server_header=False,
-        timeout_graceful_shutdown=settings.shutdown_timeout,
-    )
+    uvicorn.run(app, **server_options(settings, app.state.metrics.registry, log_config))
+
+
+def server_options(
+    settings: Settings, registry: CollectorRegistry, log_config: dict[str, Any]
+) -> dict[str, Any]:
+    """``uvicorn.run`` options for the app (the benchmark's ASGI floor uses them too)."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "loop": "uvloop",
+        # httptools, with connection deadlines and a bound
+        "http": guarded_protocol(ConnectionLimits.from_settings(settings), registry),
+        "ws": "none",  # no WebSocket routes: an Upgrade request stays a plain HTTP request
+        "log_config": log_config,
+        "access_log": False,  # app.middleware writes access lines with request ids
+        "server_header": False,
+        "timeout_graceful_shutdown": settings.shutdown_timeout,
+    }
 
 
 if __name__ == "__main__":

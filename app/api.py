@@ -1,56 +1,27 @@
-"""HTTP routes: thin functions over the store; errors are mapped in ``main``."""
+"""FastAPI routes besides the entries (``app.entries``): batch existence, health,
+readiness, metrics and stats; thin functions over the store, errors mapped in ``main``."""
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
-import anyio
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
-from starlette.requests import ClientDisconnect
 
-from app import checksum, wire
 from app.auth import Authenticator, Principal, Scope
-from app.errors import (
-    AlreadyExists,
-    BodyTooLarge,
-    ClientGone,
-    InvalidKey,
-    InvalidRequest,
-    NotFound,
-    SlowClient,
-)
-from app.keys import EntryKey, validate_dtype, validate_hash, validate_model
-from app.responses import EntryResponse
-from app.settings import Settings
+from app.errors import InvalidKey, InvalidRequest
+from app.keys import validate_dtype, validate_hash, validate_model
 from app.store import Store
 
 MAX_EXISTS_HASHES = 1000
-ENTRY_PATH = "/ec/{model:path}/{dtype}/{hash}"
-ENTRY_DOC = (
-    "`model` may contain `/` (plain or `%2F`); `dtype` is a torch dtype name; `hash` is "
-    "vLLM's multimodal hash. The body is a single-tensor safetensors file."
-)
 
 
 async def get_store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
-
-
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
-
-
-async def entry_key(model: str, dtype: str, hash: str) -> EntryKey:
-    return EntryKey.parse(model, dtype, hash)
 
 
 class Require:
@@ -72,48 +43,8 @@ async def metrics_access(request: Request) -> None:
         (await Require(Scope.READ)(request)).check_unrestricted("/metrics")
 
 
-async def _with_deadlines(chunks: AsyncIterator[bytes], settings: Settings) -> AsyncIterator[bytes]:
-    """Pass an upload's chunks through; raise ``SlowClient`` when the client stalls.
-
-    Three rules, each answered 408 (the store then removes its temp file): no chunk for
-    ``EC_BODY_READ_TIMEOUT``; fewer than ``EC_UPLOAD_MIN_RATE`` bytes per second since
-    the end of ``EC_UPLOAD_RATE_GRACE`` (so a client trickling a byte a second cannot
-    hold an upload slot); the whole body later than ``EC_UPLOAD_TIMEOUT``.
-    """
-    iterator = aiter(chunks)
-    idle = settings.body_read_timeout
-    total = settings.upload_timeout
-    rate = settings.upload_min_rate
-    grace = settings.upload_rate_grace
-    # Formatted once: the loop below runs for every chunk of the body.
-    idle_reason = f"no body bytes received for {idle:g} s"
-    total_reason = f"upload took over {total:g} s"
-    rate_reason = f"upload slower than {rate} bytes/s (after a {grace:g} s grace period)"
-    start = time.monotonic()
-    received = 0
-    while True:
-        now = time.monotonic() - start
-        wait, reason = min((idle, idle_reason), (total - now, total_reason))
-        if rate:
-            # The moment the average since the grace period falls below the rate.
-            wait, reason = min((wait, reason), (grace + received / rate - now, rate_reason))
-        with anyio.move_on_after(max(wait, 0)) as scope:
-            try:
-                chunk = await anext(iterator)
-            except StopAsyncIteration:
-                return
-        if scope.cancelled_caught:
-            raise SlowClient(f"{reason}: {received} bytes in {time.monotonic() - start:.1f} s")
-        received += len(chunk)
-        yield chunk
-
-
 CanRead = Depends(Require(Scope.READ))
-CanWrite = Depends(Require(Scope.WRITE))
-IsAdmin = Depends(Require(Scope.ADMIN))
 StoreDep = Annotated[Store, Depends(get_store)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-KeyDep = Annotated[EntryKey, Depends(entry_key)]
 # Dependencies are coroutines on purpose: FastAPI runs plain ``def`` ones in a thread
 # pool, one thread hop each per request.
 
@@ -126,142 +57,6 @@ class ExistsRequest(BaseModel):
 
 class ExistsResponse(BaseModel):
     present: list[bool]
-
-
-class PutResponse(BaseModel):
-    created: bool
-    size: int
-    crc32c: str
-
-
-def _parse_crc(value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return checksum.from_hex(value)
-    except ValueError:
-        raise InvalidRequest(
-            f"X-EC-CRC32C {value[:40]!r} is not 8 lowercase hex digits", part="checksum"
-        ) from None
-
-
-def _parse_length(value: str | None) -> int | None:
-    """Content-Length: the HTTP parser checks it too; the app does not rely on that."""
-    if value is None:
-        return None
-    try:
-        return wire.decimal(value)
-    except ValueError:
-        raise InvalidRequest(
-            f"Content-Length {value[:40]!r} is not a decimal number of bytes", part="header"
-        ) from None
-
-
-@contextlib.contextmanager
-def _cache_status(request: Request) -> Iterator[None]:
-    """Record a miss for the access log (``cache=``) when the lookup raises NotFound."""
-    try:
-        yield
-    except NotFound:
-        request.state.cache = "miss"
-        raise
-
-
-@router.get(
-    ENTRY_PATH,
-    dependencies=[CanRead],
-    summary="Read an entry",
-    description=ENTRY_DOC,
-    response_class=Response,
-    responses={404: {}, 503: {}},
-)
-async def get_entry(
-    key: KeyDep,
-    request: Request,
-    store: StoreDep,
-    if_none_match: Annotated[str | None, Header()] = None,
-) -> Response:
-    with _cache_status(request):
-        body = await store.get(key)
-    request.state.cache = body.info.tier
-    if if_none_match is not None and body.info.etag in if_none_match:
-        await body.aclose()
-        return Response(status_code=304, headers={"ETag": body.info.etag})
-    store.metrics.bytes_sent.inc(body.info.size)
-    return EntryResponse(body.info, body)
-
-
-@router.head(
-    ENTRY_PATH,
-    dependencies=[CanRead],
-    summary="Describe an entry",
-    description=ENTRY_DOC,
-    response_class=Response,
-    responses={404: {}, 503: {}},
-)
-async def head_entry(key: KeyDep, request: Request, store: StoreDep) -> Response:
-    with _cache_status(request):
-        info = await store.head(key)
-    request.state.cache = info.tier
-    return EntryResponse(info)
-
-
-@router.put(
-    ENTRY_PATH,
-    dependencies=[CanWrite],
-    summary="Store an entry (first writer wins)",
-    description=ENTRY_DOC,
-    status_code=201,
-    response_model=PutResponse,
-    responses={200: {"model": PutResponse}, 412: {}, 413: {}},
-)
-async def put_entry(
-    key: KeyDep,
-    request: Request,
-    store: StoreDep,
-    settings: SettingsDep,
-    if_none_match: Annotated[str | None, Header()] = None,
-    x_ec_crc32c: Annotated[str | None, Header()] = None,
-) -> Response:
-    expected_crc = _parse_crc(x_ec_crc32c)
-    # Read directly, not as a declared parameter: the HTTP server already validated it.
-    length_header = request.headers.get("content-length")
-    content_length = _parse_length(length_header)
-    # Decided before the body is read: with Expect: 100-continue it is never sent.
-    if content_length is not None and content_length > settings.max_body_bytes:
-        raise BodyTooLarge(
-            f"Content-Length {content_length} exceeds the {settings.max_body_bytes}-byte limit"
-        )
-    if if_none_match is not None and if_none_match.strip() == "*" and await store.exists(key):
-        raise AlreadyExists(f"entry {key} already exists")
-    try:
-        result = await store.put(
-            key,
-            _with_deadlines(request.stream(), settings),
-            declared_length=content_length,
-            expected_crc=expected_crc,
-        )
-    except ClientDisconnect:
-        raise ClientGone("client disconnected before sending the whole body") from None
-    request.state.body_consumed = True
-    crc_hex = checksum.to_hex(result.crc32c)
-    return JSONResponse(
-        PutResponse(created=result.created, size=result.size, crc32c=crc_hex).model_dump(),
-        status_code=201 if result.created else 200,
-        headers={"ETag": checksum.etag(result.crc32c), "X-EC-CRC32C": crc_hex},
-    )
-
-
-@router.delete(
-    ENTRY_PATH,
-    dependencies=[IsAdmin],
-    summary="Remove an entry from every tier",
-    status_code=204,
-    response_class=Response,
-)
-async def delete_entry(key: KeyDep, store: StoreDep) -> Response:
-    await store.delete(key)
-    return Response(status_code=204)
 
 
 @router.post(

@@ -15,7 +15,7 @@ its own (loop timers only):
 * a request-head deadline (``EC_HEADER_TIMEOUT``): from the first byte of a request, its
   head (and, for other methods than PUT, its whole body) must be in within this long,
   else 408 ``request_timeout`` and the connection is closed. PUT bodies have their own
-  deadlines (``EC_UPLOAD_*``, see ``app.api``);
+  deadlines (``EC_UPLOAD_*``, see ``app.entries``);
 * a send deadline (``EC_SEND_TIMEOUT``): while response bytes wait in the write buffer,
   the client must accept some within this long, else the connection is dropped (reset).
   A reader that stops reading a large GET then frees its download slot, its task and
@@ -170,7 +170,7 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
-        if self.scope.get("method") == "PUT":  # upload bodies: app.api's deadlines
+        if self.scope.get("method") == "PUT":  # upload bodies: app.entries' deadlines
             self._cancel_head_timer()
 
     def on_message_complete(self) -> None:

@@ -10,13 +10,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import __version__
+from app import __version__, entries
 from app.api import router
 from app.auth import AnonymousAccess, Authenticator, load_tokens
 from app.errors import ECError
 from app.metrics import Metrics, MetricsMiddleware
 from app.middleware import AdmissionMiddleware, RequestContextMiddleware
 from app.namespaces_api import router as namespaces_router
+from app.openapi import openapi_builder
 from app.settings import Settings
 from app.store import Store
 from app.tiers.disk import DiskTier
@@ -133,7 +134,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Never 307 to the same path with(out) a trailing slash: the Location would be
         # built from the client's Host header. Such paths are 404s like any other.
         redirect_slashes=False,
+        routes=entries.routes,  # first: the data plane is matched before anything else
     )
+    app.openapi = openapi_builder(app)  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.store = store

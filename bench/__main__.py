@@ -32,6 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS: dict[str, Callable[[Services, suite.Plan, Any], dict[str, Any]]] = {
     "transfers": suite.transfers,
     "lookups": suite.lookups,
+    "floor": suite.floor,
     "scale": suite.scale,
     "memory": suite.memory,
     "startup": suite.startup,

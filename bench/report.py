@@ -106,6 +106,23 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {_f(row['p99_ms'])} | {row['per_s']:.0f} |"
             )
         out.append("")
+    floor = results.get("floor")
+    if floor:
+        out += [
+            f"## Small requests against the framework floor ({_mb(floor['entry_bytes'])})",
+            "",
+            "One keep-alive connection each; the floor is a raw ASGI app on ec-cache's "
+            "uvicorn options (`bench/asgi_floor.py`).",
+            "",
+            "| contender | kind | p50 ms | p99 ms | MB/s |",
+            "|---|---|---|---|---|",
+        ]
+        for label, row in floor["contenders"].items():
+            out.append(
+                f"| {label} | {row['kind']} | {_f(row['p50_ms'], 3)} | {_f(row['p99_ms'], 3)} "
+                f"| {row.get('mb_per_s_median', 0):.0f} |"
+            )
+        out.append("")
     scale = results.get("scale")
     if scale:
         out += [

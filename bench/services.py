@@ -80,6 +80,18 @@ class Services:
         self._stack.callback(proc.stop)
         return proc
 
+    def asgi_floor(self, name: str, file: Path) -> ServerProcess:
+        """``bench.asgi_floor`` serving ``file`` on ec-cache's uvicorn options."""
+        proc = ServerProcess(
+            self.root / f"floor-{name}",
+            self.root / f"floor-{name}.log",
+            module="bench.asgi_floor",
+            args=(str(file),),
+        )
+        proc.start()
+        self._stack.callback(proc.stop)
+        return proc
+
     def stop_server(self, proc: ServerProcess) -> None:
         """Stop a server before the end (its callback then does nothing)."""
         proc.stop()

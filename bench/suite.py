@@ -40,7 +40,7 @@ from bench.payloads import (
     Payload,
     mixed_workload,
 )
-from bench.runner import EventLoopThread, concurrent, concurrent_tasks, interleaved
+from bench.runner import Contender, EventLoopThread, concurrent, concurrent_tasks, interleaved
 from bench.services import (
     MemorySampler,
     Services,
@@ -91,6 +91,8 @@ class Plan:
     fill_payload: Payload = field(default_factory=lambda: Payload("fill-128x4096", (128, 4096)))
     fill_capacity: int = 32
     fill_puts: int = 96
+    small_requests: int = 200  # per round and contender
+    small_rounds: int = 7
 
     @classmethod
     def full(cls) -> Plan:
@@ -131,6 +133,8 @@ class Plan:
             fill_payload=Payload("fill-16x1024", (16, 1024)),
             fill_capacity=8,
             fill_puts=24,
+            small_requests=20,
+            small_rounds=2,
         )
 
 
@@ -388,6 +392,76 @@ def lookups(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
     pool.close()
     svc.stop_server(srv)
     shutil.rmtree(local_dir, ignore_errors=True)
+    return out
+
+
+# --------------------------------------------------------------------------- floor
+
+FLOOR_GET = "ASGI floor GET (urllib3)"
+FLOOR_HEAD = "ASGI floor HEAD (urllib3)"
+EC_GET = "ec-cache GET (urllib3)"
+EC_HEAD = "ec-cache HEAD (urllib3)"
+EC_SDK_GET = "ec-cache SDK get"
+NGINX_GET = "nginx GET (urllib3)"
+
+
+def floor(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
+    """Small requests against the framework floor: the 128 KiB disk-hit GET and the
+    HEAD of ec-cache (disk only, default settings) next to ``bench.asgi_floor`` (a raw
+    ASGI app on the same uvicorn options serving the same bytes) and nginx, each on one
+    keep-alive connection, interleaved rounds."""
+    payload = plan.payloads[0]
+    tensor = payload.tensor(0)
+    body = payload.body(tensor)
+    nginx = svc.nginx()
+    (nginx.www / "small.bin").write_bytes(body)
+    srv = svc.server("floor")
+    key = f"{payload.name}-floor"
+    with _client(srv.url) as client:
+        client.put(key, tensor)
+    floor_srv = svc.asgi_floor("small", nginx.www / "small.bin")
+    path = f"/ec/{MODEL}/{DTYPE}/{key}"
+    pools = {
+        name: urllib3.HTTPConnectionPool("127.0.0.1", port, maxsize=1)
+        for name, port in (("floor", floor_srv.port), ("ec", srv.port), ("nginx", nginx.port))
+    }
+    sdk = _client(srv.url)
+
+    def request(pool: str, method: str, target: str) -> Callable[[int], int]:
+        def op(_: int) -> int:
+            response = pools[pool].request(method, target)
+            if response.status != 200 or (method == "GET" and response.data != body):
+                raise RuntimeError(f"{pool} {method} answered {response.status}")
+            return len(response.data)
+
+        return op
+
+    def sdk_get(_: int) -> int:
+        if not same_bits(sdk.get(key), tensor):
+            raise RuntimeError("SDK read other bits")
+        return len(body)
+
+    contenders = [
+        Contender(FLOOR_GET, "ceiling", request("floor", "GET", path)),
+        Contender(EC_GET, "ec-cache", request("ec", "GET", path)),
+        Contender(EC_SDK_GET, "ec-cache", sdk_get),
+        Contender(NGINX_GET, "ceiling", request("nginx", "GET", "/small.bin")),
+        Contender(FLOOR_HEAD, "ceiling", request("floor", "HEAD", path)),
+        Contender(EC_HEAD, "ec-cache", request("ec", "HEAD", path)),
+    ]
+    out: dict[str, Any] = {
+        "loadavg_before": load_average(),
+        "entry_bytes": len(body),
+        "contenders": interleaved(
+            contenders, rounds=plan.small_rounds, requests=plan.small_requests, warmup=20
+        ),
+        "loadavg_after": load_average(),
+    }
+    sdk.close()
+    for pool in pools.values():
+        pool.close()
+    svc.stop_server(floor_srv)
+    svc.stop_server(srv)
     return out
 
 
@@ -734,6 +808,26 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                         level[SCALE_URLLIB3]["mb_per_s_median"],
                     )
                 )
+    small = results.get("floor", {}).get("contenders", {})
+    if small:
+        for label, reference in ((EC_GET, FLOOR_GET), (EC_HEAD, FLOOR_HEAD)):
+            rows.append(
+                _ratio_row(
+                    f"{label} p50 vs {reference} p50, 128 KiB",
+                    1.3,
+                    small[label]["p50_ms"],
+                    small[reference]["p50_ms"],
+                    higher_is_better=False,
+                )
+            )
+        rows.append(
+            _ratio_row(
+                f"{EC_SDK_GET} vs {NGINX_GET}, 128 KiB",
+                0.5,
+                small[EC_SDK_GET]["mb_per_s_median"],
+                small[NGINX_GET]["mb_per_s_median"],
+            )
+        )
     lookup_rows = results.get("lookups", {}).get("rows", {})
     batch = lookup_rows.get("exists_many 1000 present")
     head = lookup_rows.get("ec-cache SDK head, interleaved")

@@ -21,9 +21,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m app`` with ``EC_*`` settings; ``start``/``stop``/``kill`` by PID."""
+    """``python -m app`` (or another ``module`` that reads ``EC_HOST``/``EC_PORT``, with
+    ``args``) with ``EC_*`` settings; ``start``/``stop``/``kill`` by PID."""
 
-    def __init__(self, data_dir: Path, log_path: Path, **settings: str | int) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        log_path: Path,
+        *,
+        module: str = "app",
+        args: tuple[str, ...] = (),
+        **settings: str | int,
+    ) -> None:
+        self.command = [sys.executable, "-m", module, *args]
         self.data_dir = data_dir
         self.log_path = log_path
         self.port = int(settings.pop("port", 0)) or free_port()
@@ -44,9 +54,7 @@ class ServerProcess:
     def start(self, timeout: float = 30.0, *, wait: bool = True) -> ServerProcess:
         """Start the process and, unless ``wait`` is false, wait for ``/healthz``."""
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app"], env=self.env, stdout=log, stderr=log
-            )
+            self.proc = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=log)
         if not wait:
             return self
         deadline = time.monotonic() + timeout
