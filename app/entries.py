@@ -1,63 +1,58 @@
-"""The data plane: HEAD, GET, PUT and DELETE of one entry, as a plain Starlette route.
+"""The data plane: HEAD, GET, PUT and DELETE of one entry, ahead of FastAPI.
 
-FastAPI's per-request dependency solving costs more than a whole 128 KiB GET at the
-framework floor (``python -m bench --sections floor``), so these four methods read what
-they need from the request themselves: the key from the path, the token from
-``Authorization``, two headers. Errors are raised as ``ECError``s and mapped to HTTP by
-the app's one handler, like every other route's; the OpenAPI operations are declared in
-``app.openapi``.
+A 128 KiB GET at the framework floor (a raw ASGI app on the same uvicorn options,
+``python -m bench --sections floor``) takes about as long as FastAPI's per-request
+machinery alone: dependency solving, then five middleware layers, the router and the
+endpoint wrapper. So ``ECApp`` hands entry requests to :class:`EntryRoutes` before
+FastAPI sees them: one regex match, then a method that reads what it needs from the
+request itself (the key from the path, the token from ``Authorization``, two headers).
+Errors become answers through ``app.error_responses``, like every route's; the OpenAPI
+operations are declared in ``app.openapi``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import anyio
 from pydantic import BaseModel
-from starlette.endpoints import HTTPEndpoint
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from starlette.types import Message, Receive, Scope, Send
 
 from app import checksum, wire
-from app.auth import Authenticator, Scope
+from app.auth import Authenticator
+from app.auth import Scope as AuthScope
+from app.error_responses import ec_error_response, internal_error_response
 from app.errors import (
     AlreadyExists,
     BodyTooLarge,
     ClientGone,
+    ECError,
     InvalidRequest,
+    MethodNotAllowed,
     NotFound,
     SlowClient,
 )
-from app.keys import EntryKey
+from app.keys import EntryKey, parse_key
 from app.responses import EntryResponse
 from app.settings import Settings
 from app.store import Store
 
-ENTRY_PATH = "/ec/{model:path}/{dtype}/{hash}"
+log = logging.getLogger("app")
+
+#: ``/ec/{model}/{dtype}/{hash}``; ``model`` may contain ``/`` (uvicorn decoded ``%2F``).
+ENTRY_PATH = re.compile(r"/ec/(?P<model>.*)/(?P<dtype>[^/]+)/(?P<hash>[^/]+)")
 
 
 class PutResponse(BaseModel):
     created: bool
     size: int
     crc32c: str
-
-
-def _authorized_key(request: Request, scope: Scope) -> EntryKey:
-    """The request's key, once its token (or anonymous access) holds ``scope`` for the
-    key's model (see ``app.auth``). Authorization comes first: an unauthorized client
-    learns nothing, not even that its key is malformed."""
-    params = request.path_params
-    authenticator: Authenticator = request.app.state.authenticator
-    authenticator.authorize(request.headers.get("authorization"), scope, params["model"])
-    return EntryKey.parse(params["model"], params["dtype"], params["hash"])
-
-
-def _store(request: Request) -> Store:
-    store: Store = request.app.state.store
-    return store
 
 
 @contextlib.contextmanager
@@ -129,12 +124,71 @@ async def _with_deadlines(chunks: AsyncIterator[bytes], settings: Settings) -> A
         yield chunk
 
 
-class Entry(HTTPEndpoint):
-    """``/ec/{model}/{dtype}/{hash}``: one method each."""
+Handler = Callable[[Request, EntryKey], Awaitable[Response]]
 
-    async def get(self, request: Request) -> Response:
-        key = _authorized_key(request, Scope.READ)
-        store = _store(request)
+
+class EntryRoutes:
+    """The four entry methods. :meth:`match` says whether a request is one of them;
+    anything else (``POST .../_exists``, the other routes) is left to FastAPI."""
+
+    ALLOW = "GET, HEAD, PUT, DELETE"
+
+    def __init__(self, store: Store, authenticator: Authenticator) -> None:
+        self.store = store
+        self.settings: Settings = store.settings
+        self.authenticator = authenticator
+        self.methods: dict[str, tuple[AuthScope, Handler]] = {
+            "GET": (AuthScope.READ, self.get),
+            "HEAD": (AuthScope.READ, self.head),
+            "PUT": (AuthScope.WRITE, self.put),
+            "DELETE": (AuthScope.ADMIN, self.delete),
+        }
+
+    def match(self, scope: Scope) -> re.Match[str] | None:
+        found = ENTRY_PATH.fullmatch(scope["path"])
+        if found is None or (scope["method"] == "POST" and found["hash"] == "_exists"):
+            return None
+        return found
+
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, path: re.Match[str]
+    ) -> None:
+        request = Request(scope, receive, send)
+        started = False
+
+        async def send_started(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            response = await self._respond(request, path)
+        except ECError as exc:
+            response = ec_error_response(request, exc, self.store.metrics)
+        except Exception:
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            response = internal_error_response(request)
+        try:
+            await response(scope, receive, send_started)
+        except Exception:
+            if started:  # headers are out: uvicorn drops the connection
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await internal_error_response(request)(scope, receive, send)
+
+    async def _respond(self, request: Request, path: re.Match[str]) -> Response:
+        method = self.methods.get(request.method)
+        if method is None:
+            raise MethodNotAllowed(f"{request.method} is not allowed here", allow=self.ALLOW)
+        scope, handler = method
+        model = path["model"]
+        # Authorization first: an unauthorized client learns nothing, not even that its
+        # key is malformed.
+        self.authenticator.authorize(request.headers.get("authorization"), scope, model)
+        return await handler(request, parse_key(model, path["dtype"], path["hash"]))
+
+    async def get(self, request: Request, key: EntryKey) -> Response:
+        store = self.store
         with _cache_status(request):
             body = await store.get(key)
         request.state.cache = body.info.tier
@@ -145,17 +199,15 @@ class Entry(HTTPEndpoint):
         store.metrics.bytes_sent.inc(body.info.size)
         return EntryResponse(body.info, body)
 
-    async def head(self, request: Request) -> Response:
-        key = _authorized_key(request, Scope.READ)
+    async def head(self, request: Request, key: EntryKey) -> Response:
         with _cache_status(request):
-            info = await _store(request).head(key)
+            info = await self.store.head(key)
         request.state.cache = info.tier
         return EntryResponse(info)
 
-    async def put(self, request: Request) -> Response:
-        key = _authorized_key(request, Scope.WRITE)
-        store = _store(request)
-        settings = store.settings
+    async def put(self, request: Request, key: EntryKey) -> Response:
+        store = self.store
+        settings = self.settings
         expected_crc = _parse_crc(request.headers.get("x-ec-crc32c"))
         content_length = _parse_length(request.headers.get("content-length"))
         # Decided before the body is read: with Expect: 100-continue it is never sent.
@@ -183,11 +235,6 @@ class Entry(HTTPEndpoint):
             headers={"ETag": checksum.etag(result.crc32c), "X-EC-CRC32C": crc_hex},
         )
 
-    async def delete(self, request: Request) -> Response:
-        key = _authorized_key(request, Scope.ADMIN)
-        await _store(request).delete(key)
+    async def delete(self, request: Request, key: EntryKey) -> Response:
+        await self.store.delete(key)
         return Response(status_code=204)
-
-
-# Named methods only: a POST to ``.../_exists`` must fall through to its own route.
-routes: list[BaseRoute] = [Route(ENTRY_PATH, Entry, methods=["GET", "HEAD", "PUT", "DELETE"])]

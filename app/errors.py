@@ -1,4 +1,4 @@
-"""The server's error hierarchy; ``main.create_app`` maps it to HTTP in one place."""
+"""The server's error hierarchy; ``app.error_responses`` maps it to HTTP in one place."""
 
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ class NotFound(ECError):
 class AlreadyExists(ECError):
     status_code = 412
     code = "already_exists"
+
+
+class MethodNotAllowed(ECError):
+    status_code = 405
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Allow": self.allow}
 
 
 class BodyTooLarge(ECError):

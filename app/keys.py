@@ -7,6 +7,7 @@ and an object key that stay inside the cache's own directory and prefix.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -98,3 +99,10 @@ class EntryKey:
         """The S3 key: ``{prefix}/{model}/{dtype}/{hash}.safetensors``."""
         name = f"{self}.safetensors"
         return f"{prefix}/{name}" if prefix else name
+
+
+@functools.lru_cache(maxsize=8192)
+def parse_key(model: str, dtype: str, hash: str) -> EntryKey:
+    """:meth:`EntryKey.parse` for request paths, remembered: a hot key's reads skip
+    validation and its digest (invalid keys raise and are not remembered)."""
+    return EntryKey.parse(model, dtype, hash)

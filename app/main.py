@@ -9,13 +9,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
-from app import __version__, entries
+from app import __version__
 from app.api import router
 from app.auth import AnonymousAccess, Authenticator, load_tokens
+from app.entries import EntryRoutes
+from app.error_responses import ec_error_response, error_response, internal_error_response
 from app.errors import ECError
-from app.metrics import Metrics, MetricsMiddleware
-from app.middleware import AdmissionMiddleware, RequestContextMiddleware
+from app.metrics import Metrics
+from app.middleware import EdgeMiddleware
 from app.namespaces_api import router as namespaces_router
 from app.openapi import openapi_builder
 from app.settings import Settings
@@ -24,29 +27,9 @@ from app.tiers.disk import DiskTier
 from app.tiers.s3 import S3Backend
 
 
-def _error(
-    request: Request,
-    status: int,
-    code: str,
-    message: str,
-    part: str | None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    headers = dict(headers or {})
-    # An error answered before a PUT body was read leaves unread bytes on the wire:
-    # close the connection rather than parse them as the next request.
-    if request.method in ("PUT", "POST") and not getattr(request.state, "body_consumed", False):
-        headers["Connection"] = "close"
-    return JSONResponse(
-        {"error": code, "message": message, "part": part}, status_code=status, headers=headers
-    )
-
-
 async def _ec_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ECError)
-    if request.method == "PUT":
-        request.app.state.metrics.rejected_puts.labels(exc.code).inc()
-    return _error(request, exc.status_code, exc.code, exc.message, exc.part, exc.headers)
+    return ec_error_response(request, exc, request.app.state.metrics)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -55,13 +38,13 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     part = location[0] if location else None
     message = f"{'.'.join(location) or 'request'}: {first.get('msg', 'invalid request')}"
-    return _error(request, 400, "invalid_request", message, part)
+    return error_response(request, 400, "invalid_request", message, part)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     codes = {404: "not_found", 405: "method_not_allowed"}
-    return _error(
+    return error_response(
         request,
         exc.status_code,
         codes.get(exc.status_code, "http_error"),
@@ -72,10 +55,29 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    # A bug, not a client's fault: JSON like every other error (the traceback is logged).
-    return _error(
-        request, 500, "internal_error", "internal server error (see the server log)", None
-    )
+    return internal_error_response(request)
+
+
+class ECApp(FastAPI):
+    """The FastAPI app behind the one middleware (``EdgeMiddleware``), with the entry
+    routes served ahead of FastAPI's own routing (see ``app.entries`` for why)."""
+
+    edge: EdgeMiddleware
+    entries: EntryRoutes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.edge(scope, receive, send)
+        else:  # the lifespan
+            await super().__call__(scope, receive, send)
+
+    async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The edge's inner app: an entry request, or FastAPI for everything else."""
+        path = self.entries.match(scope)
+        if path is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self.entries(scope, receive, send, path)
 
 
 class ConfigurationError(Exception):
@@ -106,7 +108,7 @@ def _s3_backend(settings: Settings, metrics: Metrics) -> S3Backend | None:
     return S3Backend.from_settings(settings, registry=metrics.registry)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None) -> ECApp:
     """Build the app; tiers are created here and started by the lifespan.
 
     Raises ``ConfigurationError`` for settings that cannot work together.
@@ -126,7 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await store.stop()
 
-    app = FastAPI(
+    app = ECApp(
         title="ec-cache",
         version=__version__,
         summary="Shared cache for multimodal encoder outputs",
@@ -134,7 +136,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Never 307 to the same path with(out) a trailing slash: the Location would be
         # built from the client's Host header. Such paths are 404s like any other.
         redirect_slashes=False,
-        routes=entries.routes,  # first: the data plane is matched before anything else
+        # The app exports Prometheus metrics itself; FastAPI's OpenTelemetry hooks
+        # would otherwise look for a configured provider on every request.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.openapi = openapi_builder(app)  # type: ignore[method-assign]
     app.state.settings = settings
@@ -147,8 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
-    # Added last is outermost: ids and access lines cover refusals and metrics too.
-    app.add_middleware(AdmissionMiddleware, settings=settings)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(RequestContextMiddleware)
+    # Outside everything: refusals and errors get an id, a count and an access line too.
+    app.edge = EdgeMiddleware(app.route, settings, metrics)
+    app.entries = EntryRoutes(store, authenticator)
     return app

@@ -10,7 +10,6 @@ app`` through :class:`ConnectionMetrics`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,6 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:  # metrics import no tier: every tier may import metrics
     from app.tiers.disk import DiskStats
@@ -126,6 +124,9 @@ class Metrics:
             registry=self.registry,
         )
         self._last_ready: bool | None = None
+        # labels() takes a lock and builds a tuple per call: each series is resolved once.
+        self._request_series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        self._lookup_series: dict[str, Counter] = {}
 
     def readiness(self, ready: bool) -> None:
         """Record one readiness check's result."""
@@ -134,12 +135,28 @@ class Metrics:
             self.readiness_changes.inc()
         self._last_ready = ready
 
+    def request(self, route: str, method: str, status: int, seconds: float) -> None:
+        """Count and time one answered HTTP request."""
+        key = (route, method, status)
+        series = self._request_series.get(key)
+        if series is None:
+            series = (
+                self.requests.labels(route, method, str(status)),
+                self.request_seconds.labels(route, method),
+            )
+            self._request_series[key] = series
+        series[0].inc()
+        series[1].observe(seconds)
+
     def watch_s3(self, up: Callable[[], bool]) -> None:
         self.registry.register(_S3UpCollector(up))
 
     def lookup(self, model: str, dtype: str, result: str) -> None:
         """Count one entry read answered by ``result`` (``disk``, ``s3`` or ``miss``)."""
-        self.lookups.labels(result).inc()
+        series = self._lookup_series.get(result)
+        if series is None:
+            series = self._lookup_series[result] = self.lookups.labels(result)
+        series.inc()
         if self.namespace_lookups is None:
             return
         namespace = (model, dtype)
@@ -302,44 +319,3 @@ class _DiskCollector(Collector):
             "Entries dropped because their bytes changed on disk.",
             value=s.corrupt_removed,
         )
-
-
-def route_label(method: str, path: str) -> str:
-    """A bounded label for a request path (never the key itself)."""
-    if path.startswith("/ec/"):
-        return "exists" if method == "POST" and path.endswith("/_exists") else "entry"
-    if path in ("/healthz", "/readyz", "/metrics", "/stats", "/docs", "/openapi.json"):
-        return path[1:]
-    if path == "/namespaces" or path.startswith("/namespaces/"):
-        return "namespaces"
-    return "other"
-
-
-class MetricsMiddleware:
-    """Counts and times every HTTP request (pure ASGI: no body buffering)."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = 500
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            route = route_label(scope["method"], scope["path"])
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
-            self.metrics.request_seconds.labels(route, scope["method"]).observe(
-                time.perf_counter() - start
-            )

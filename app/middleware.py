@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: admission control, request ids and access logs.
+"""The one middleware: admission control, request ids, HTTP metrics and access logs.
 
 Pure ASGI (not ``BaseHTTPMiddleware``) so bodies stream through untouched.
 """
@@ -13,6 +13,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.metrics import Metrics
 from app.settings import Settings
 
 access_log = logging.getLogger("app.access")
@@ -34,13 +35,25 @@ async def _reject(send: Send, status: int, code: str, message: str, retry_after:
     await send({"type": "http.response.body", "body": body})
 
 
-class AdmissionMiddleware:
-    """Refuses what must not reach the app: oversized headers or targets, and entry
-    transfers beyond the concurrency caps (503 + Retry-After, never a queue)."""
+class EdgeMiddleware:
+    """What every request passes through, in one pure-ASGI layer (each layer costs a
+    closure and an await per message, and the small requests are measured against a
+    raw ASGI floor):
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    * admission: oversized headers (431) or targets (414) never reach the app, and
+      entry transfers beyond the concurrency caps get 503 + Retry-After, never a queue;
+    * a request id (the client's ``X-Request-ID`` when sane), echoed in the response;
+    * the ``ec_http_requests_total`` and ``ec_http_request_duration_seconds`` series;
+    * one access line when the response is done. Like nginx's
+      ``$upstream_cache_status`` it carries the tier that answered an entry read
+      (``cache=disk``, ``s3`` or ``miss``; ``-`` for other requests), the body bytes
+      sent and received, and the duration.
+    """
+
+    def __init__(self, app: ASGIApp, settings: Settings, metrics: Metrics) -> None:
         self.app = app
         self.settings = settings
+        self.metrics = metrics
         self.uploads = 0
         self.downloads = 0
 
@@ -48,67 +61,16 @@ class AdmissionMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-        if header_bytes > self.settings.max_header_bytes:
-            await _reject(
-                send,
-                431,
-                "headers_too_large",
-                f"request headers exceed {self.settings.max_header_bytes} bytes",
-            )
-            return
-        if (
-            len(scope.get("raw_path") or b"") + len(scope.get("query_string", b""))
-            > MAX_TARGET_BYTES
-        ):
-            await _reject(
-                send, 414, "uri_too_long", f"request target exceeds {MAX_TARGET_BYTES} bytes"
-            )
-            return
-        method = scope["method"]
-        if not scope["path"].startswith("/ec/") or method not in ("PUT", "GET"):
-            await self.app(scope, receive, send)
-            return
-        if method == "PUT":
-            if self.uploads >= self.settings.max_concurrent_uploads:
-                await _reject(send, 503, "too_many_uploads", "too many concurrent uploads", 1)
-                return
-            self.uploads += 1
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                self.uploads -= 1
-        else:
-            if self.downloads >= self.settings.max_concurrent_downloads:
-                await _reject(send, 503, "too_many_downloads", "too many concurrent downloads", 1)
-                return
-            self.downloads += 1
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                self.downloads -= 1
-
-
-class RequestContextMiddleware:
-    """Gives every request an id (the client's ``X-Request-ID`` when sane), echoes it
-    in the response and writes one access line when the response is done.
-
-    The line carries, like nginx's ``$upstream_cache_status``, the tier that answered an
-    entry read (``cache=disk``, ``s3`` or ``miss``; ``-`` for other requests), the body
-    bytes sent and received, and the duration."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        start = time.perf_counter()
+        incoming = ""
+        header_bytes = 0
+        for name, value in scope["headers"]:
+            header_bytes += len(name) + len(value) + 4
+            if name == b"x-request-id":
+                incoming = value.decode("latin-1")
         request_id = incoming if _REQUEST_ID_RE.fullmatch(incoming) else os.urandom(16).hex()
         scope.setdefault("state", {})["request_id"] = request_id
-        start = time.perf_counter()
-        status = 0
+        status = 500
         sent = 0
         received = 0
 
@@ -132,29 +94,83 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive_counted, send_with_id)
+            await self._admit(scope, receive_counted, send_with_id, header_bytes)
         finally:
-            client = scope.get("client")
-            cache = scope["state"].get("cache")
-            duration_ms = (time.perf_counter() - start) * 1e3
-            access_log.info(
-                "%s %s %d cache=%s %dB %.1fms id=%s",
-                scope["method"],
-                scope["path"],
-                status,
-                cache or "-",
-                sent,
-                duration_ms,
-                request_id,
-                extra={
-                    "request_id": request_id,
-                    "method": scope["method"],
-                    "path": scope["path"],
-                    "status": status,
-                    "cache": cache,
-                    "bytes_sent": sent,
-                    "bytes_received": received,
-                    "duration_ms": round(duration_ms, 3),
-                    "client": f"{client[0]}:{client[1]}" if client else None,
-                },
-            )
+            self._record(scope, status, sent, received, time.perf_counter() - start)
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, header_bytes: int) -> None:
+        settings = self.settings
+        if header_bytes > settings.max_header_bytes:
+            message = f"request headers exceed {settings.max_header_bytes} bytes"
+            await _reject(send, 431, "headers_too_large", message)
+            return
+        if len(scope.get("raw_path") or b"") + len(scope["query_string"]) > MAX_TARGET_BYTES:
+            message = f"request target exceeds {MAX_TARGET_BYTES} bytes"
+            await _reject(send, 414, "uri_too_long", message)
+            return
+        method = scope["method"]
+        if method == "GET" and scope["path"].startswith("/ec/"):
+            if self.downloads >= settings.max_concurrent_downloads:
+                await _reject(send, 503, "too_many_downloads", "too many concurrent downloads", 1)
+                return
+            self.downloads += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.downloads -= 1
+        elif method == "PUT" and scope["path"].startswith("/ec/"):
+            if self.uploads >= settings.max_concurrent_uploads:
+                await _reject(send, 503, "too_many_uploads", "too many concurrent uploads", 1)
+                return
+            self.uploads += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.uploads -= 1
+        else:
+            await self.app(scope, receive, send)
+
+    def _record(self, scope: Scope, status: int, sent: int, received: int, seconds: float) -> None:
+        method = scope["method"]
+        path = scope["path"]
+        self.metrics.request(route_label(method, path), method, status, seconds)
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        cache = scope["state"].get("cache")
+        client = scope.get("client")
+        request_id = scope["state"]["request_id"]
+        duration_ms = seconds * 1e3
+        # makeRecord + handle is Logger.info without its caller lookup (a stack walk
+        # that names this line in every record, which no format here shows).
+        record = access_log.makeRecord(
+            access_log.name,
+            logging.INFO,
+            __file__,
+            0,
+            "%s %s %d cache=%s %dB %.1fms id=%s",
+            (method, path, status, cache or "-", sent, duration_ms, request_id),
+            None,
+            extra={
+                "request_id": request_id,
+                "method": method,
+                "path": path,
+                "status": status,
+                "cache": cache,
+                "bytes_sent": sent,
+                "bytes_received": received,
+                "duration_ms": round(duration_ms, 3),
+                "client": f"{client[0]}:{client[1]}" if client else None,
+            },
+        )
+        access_log.handle(record)
+
+
+def route_label(method: str, path: str) -> str:
+    """A bounded label for a request path (never the key itself)."""
+    if path.startswith("/ec/"):
+        return "exists" if method == "POST" and path.endswith("/_exists") else "entry"
+    if path in ("/healthz", "/readyz", "/metrics", "/stats", "/docs", "/openapi.json"):
+        return path[1:]
+    if path == "/namespaces" or path.startswith("/namespaces/"):
+        return "namespaces"
+    return "other"

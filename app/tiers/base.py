@@ -35,17 +35,18 @@ class EntryInfo:
     def etag(self) -> str:
         return checksum.etag(self.crc32c)
 
-    def http_headers(self) -> dict[str, str]:
-        return {
-            "Content-Length": str(self.size),
-            "Content-Type": "application/octet-stream",
-            "ETag": self.etag,
-            "X-EC-CRC32C": checksum.to_hex(self.crc32c),
-            "X-EC-Dtype": self.header.dtype,
-            "X-EC-Shape": self.header.shape_text,
-            "X-EC-Data-Offset": str(self.header.data_offset),
-            "X-EC-Tier": self.tier,
-        }
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """The response headers, as ASGI wants them (lowercase names, bytes)."""
+        return [
+            (b"content-length", b"%d" % self.size),
+            (b"content-type", b"application/octet-stream"),
+            (b"etag", self.etag.encode()),
+            (b"x-ec-crc32c", checksum.to_hex(self.crc32c).encode()),
+            (b"x-ec-dtype", self.header.dtype.encode()),
+            (b"x-ec-shape", self.header.shape_text.encode()),
+            (b"x-ec-data-offset", b"%d" % self.header.data_offset),
+            (b"x-ec-tier", self.tier.encode()),
+        ]
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,21 @@ def test_concurrent_mixed_traffic_reads_back_exact_bytes(server: ServerProcess) 
     assert_nothing_left(server)
 
 
+def test_other_methods_on_an_entry_path(client: httpx.Client) -> None:
+    """The entry routes are served ahead of FastAPI: other methods get a JSON 405 with
+    Allow, and POST .../_exists still reaches its own route."""
+    for method in ("POST", "PATCH", "OPTIONS"):
+        answer = client.request(method, entry_url("m405"))
+        assert answer.status_code == 405, method
+        assert answer.headers["allow"] == "GET, HEAD, PUT, DELETE"
+        assert answer.json()["error"] == "method_not_allowed"
+    exists = client.post(f"/ec/{MODEL}/bfloat16/_exists", json={"hashes": ["m405"]})
+    assert exists.json() == {"present": [False]}
+    operations = client.get("/openapi.json").json()["paths"]["/ec/{model}/{dtype}/{hash}"]
+    assert sorted(operations) == ["delete", "get", "head", "put"]
+    assert "412" in operations["put"]["responses"]
+
+
 def test_batch_exists(client: httpx.Client) -> None:
     client.put(entry_url("ex1"), content=body((8,), "BF16", 2))
     client.put(entry_url("ex3"), content=body((8,), "BF16", 2))
