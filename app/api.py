@@ -232,7 +232,8 @@ async def put_entry(
         raise BodyTooLarge(
             f"Content-Length {content_length} exceeds the {settings.max_body_bytes}-byte limit"
         )
-    if if_none_match is not None and if_none_match.strip() == "*" and await store.exists(key):
+    checked = if_none_match is not None and if_none_match.strip() == "*"
+    if checked and await store.exists(key):
         raise AlreadyExists(f"entry {key} already exists")
     try:
         result = await store.put(
@@ -240,6 +241,7 @@ async def put_entry(
             _with_deadlines(request.stream(), settings),
             declared_length=content_length,
             expected_crc=expected_crc,
+            known_absent=checked,
         )
     except ClientDisconnect:
         raise ClientGone("client disconnected before sending the whole body") from None

@@ -93,6 +93,21 @@ class RemoteBody(Protocol):
     ) -> None: ...
 
 
+class RemotePut(Protocol):
+    """An upload whose body is sent while it is being received (write-through).
+
+    ``feed`` hands on received chunks (and waits while the backend lags too far
+    behind); the backend holds the last bytes back until ``finish``, which the caller
+    calls only once it verified the whole body, and which returns once the entry is
+    stored; ``abort`` withdraws the body, leaving nothing. One of the two always."""
+
+    async def feed(self, chunks: Sequence[bytes | memoryview]) -> None: ...
+
+    async def finish(self) -> None: ...
+
+    async def abort(self) -> None: ...
+
+
 class Backend(Protocol):
     """Remote persistence behind the disk tier (bazel-remote's ``cache.Proxy``)."""
 
@@ -115,6 +130,14 @@ class Backend(Protocol):
         self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
     ) -> None:
         """Store a verified local file as the entry; nothing is visible on failure."""
+        ...
+
+    def begin_put(
+        self, key: EntryKey, size: int, crc32c: int, header: TensorHeader
+    ) -> RemotePut | None:
+        """Start storing an entry of ``size`` bytes and CRC32C ``crc32c`` from a body
+        still being received (None: not for this size; use ``put_file``). The
+        backend verifies ``crc32c`` over what it receives."""
         ...
 
     async def delete(self, key: EntryKey) -> None:

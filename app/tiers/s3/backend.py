@@ -118,6 +118,23 @@ class S3Body:
         await self.aclose()
 
 
+class S3Put:
+    """A streaming upload as a :class:`~app.tiers.base.RemotePut` (errors mapped)."""
+
+    def __init__(self, upload: transfers.StreamingPut) -> None:
+        self._upload = upload
+
+    async def feed(self, chunks: Sequence[bytes | memoryview]) -> None:
+        await self._upload.feed(chunks)
+
+    async def finish(self) -> None:
+        with http_errors():
+            await self._upload.finish()
+
+    async def abort(self) -> None:
+        await self._upload.abort()
+
+
 class S3Backend:
     """Entries in one bucket and prefix; see the module docstring."""
 
@@ -187,6 +204,19 @@ class S3Backend:
                 crc32c=crc32c,
                 metadata=entry_metadata(header),
             )
+
+    def begin_put(
+        self, key: EntryKey, size: int, crc32c: int, header: TensorHeader
+    ) -> S3Put | None:
+        """A single ``PutObject`` streamed from the receive, below the multipart
+        threshold (above it the body goes up in parts from the committed file)."""
+        if size >= self.client.settings.s3_multipart_threshold:
+            return None
+        return S3Put(
+            transfers.StreamingPut(
+                self.client, self.object_key(key), size, crc32c, entry_metadata(header)
+            )
+        )
 
     async def delete(self, key: EntryKey) -> None:
         with http_errors():

@@ -232,7 +232,11 @@ class S3Client:
         common: dict[str, Any] = {
             "region_name": settings.s3_region,
             "signature_version": "s3v4",
-            "s3": {"addressing_style": ADDRESSING_STYLE},
+            # Every upload carries its CRC32C, which S3 verifies and the signature
+            # covers; hashing the body with SHA-256 as well (what botocore does by
+            # default over http://) would cost a second pass over every byte, and a
+            # streamed body cannot be hashed before it is sent.
+            "s3": {"addressing_style": ADDRESSING_STYLE, "payload_signing_enabled": False},
             "max_pool_connections": pool,
             "tcp_keepalive": True,
             # We pass our own CRC32C where it matters; don't let botocore add its default
@@ -250,6 +254,19 @@ class S3Client:
                 connect_timeout=settings.s3_connect_timeout,
                 read_timeout=settings.s3_read_timeout,
                 retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
+                **common,
+            ),
+        )
+        #: Streaming uploads (``transfers.StreamingPut``): one attempt, because a body
+        #: that is being received cannot be sent again.
+        self.stream_client: Any = session.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            verify=settings.s3_verify_tls,
+            config=Config(
+                connect_timeout=settings.s3_connect_timeout,
+                read_timeout=settings.s3_read_timeout,
+                retries={"max_attempts": 1, "mode": "standard"},
                 **common,
             ),
         )
@@ -473,7 +490,7 @@ class S3Client:
     def shutdown(self) -> None:
         """Synchronous :meth:`close` (for code outside an event loop)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
-        for client in (self.client, self.probe_client):
+        for client in (self.client, self.stream_client, self.probe_client):
             try:
                 client.close()
             except Exception:
