@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 METADATA_CRC_KEY = "ec-crc32c"  # sent as x-amz-meta-ec-crc32c
+#: The first read of a GET body (then reads grow x8 up to ``EC_S3_GET_CHUNK_SIZE``).
+FIRST_READ_BYTES = 64 * 1024
 #: Path-style addressing: any endpoint works without wildcard DNS.
 ADDRESSING_STYLE = "path"
 
@@ -111,6 +113,7 @@ class S3Download:
         self._pending: asyncio.Future[bytes] | None = None
         self._closed = False
         self._received = 0
+        self._next_read = min(FIRST_READ_BYTES, s3.settings.s3_get_chunk_size)
 
     async def __aenter__(self) -> S3Download:
         return self
@@ -123,23 +126,31 @@ class S3Download:
     ) -> None:
         await self.aclose()
 
-    def _read(self) -> bytes:
+    def _read(self, sink: Callable[[bytes], None] | None = None) -> bytes:
+        # The first read is small, so the safetensors header (and with it the response
+        # headers of a read-through) is known after one round trip; later reads grow
+        # to EC_S3_GET_CHUNK_SIZE.
+        size = self._next_read
+        self._next_read = min(size * 8, self._s3.settings.s3_get_chunk_size)
         try:
-            data: bytes = self._body.read(self._s3.settings.s3_get_chunk_size)
+            data: bytes = self._body.read(size)
         except Exception as exc:
             raise map_error(exc, "get", self._s3.cooldown) from exc
+        if sink is not None and data:
+            sink(data)
         return data
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
-        :class:`S3Unavailable` when the connection breaks mid-body (the body is then
-        incomplete and must not be used)."""
+    async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes, each passed
+        to ``sink`` first on the pool thread that read it. Raises :class:`S3Unavailable`
+        when the connection breaks mid-body (the body is then incomplete and must not be
+        used)."""
         if self._closed:
             raise RuntimeError("download already closed")
         loop = asyncio.get_running_loop()
         metrics = self._s3.metrics
         try:
-            self._pending = loop.run_in_executor(self._s3.executor, self._read)
+            self._pending = loop.run_in_executor(self._s3.executor, self._read, sink)
             while True:
                 chunk = await self._pending
                 self._pending = None
@@ -147,7 +158,7 @@ class S3Download:
                     break
                 self._received += len(chunk)
                 metrics.bytes_down.inc(len(chunk))
-                self._pending = loop.run_in_executor(self._s3.executor, self._read)
+                self._pending = loop.run_in_executor(self._s3.executor, self._read, sink)
                 yield chunk
         except S3Unavailable:
             self._s3.mark_unavailable()
