@@ -216,7 +216,8 @@ class EntryRoutes:
                 f"Content-Length {content_length} exceeds the {settings.max_body_bytes}-byte limit"
             )
         if_none_match = request.headers.get("if-none-match")
-        if if_none_match is not None and if_none_match.strip() == "*" and await store.exists(key):
+        checked = if_none_match is not None and if_none_match.strip() == "*"
+        if checked and await store.exists(key):
             raise AlreadyExists(f"entry {key} already exists")
         try:
             result = await store.put(
@@ -224,6 +225,7 @@ class EntryRoutes:
                 _with_deadlines(request.stream(), settings),
                 declared_length=content_length,
                 expected_crc=expected_crc,
+                known_absent=checked,
             )
         except ClientDisconnect:
             raise ClientGone("client disconnected before sending the whole body") from None

@@ -27,6 +27,7 @@ from app.tiers.base import Backend, EntryBody, EntryInfo
 from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
+from app.tiers.write_through import WriteThrough
 
 #: Received chunks are batched into writes of about this size (one thread hop each).
 WRITE_BATCH_BYTES = 1024 * 1024
@@ -177,13 +178,16 @@ class Store:
         *,
         declared_length: int | None,
         expected_crc: int | None,
+        known_absent: bool = False,
     ) -> PutResult:
         """Stream ``body`` into a temp file, validating as it goes, then commit it.
 
         Raises before the body is fully read when it is known to be bad; nothing is
-        left behind on any error, including the client going away.
+        left behind on any error, including the client going away. ``known_absent``:
+        the caller has just found the entry in no tier (``If-None-Match: *``).
         """
         self._refuse_if_purging(key)
+        stream = self._write_through(key, declared_length, expected_crc, known_absent)
         validator = BodyValidator(
             key.dtype,
             max_bytes=self.settings.max_body_bytes,
@@ -196,6 +200,8 @@ class Store:
             batched = 0
             async for chunk in body:
                 validator.feed(chunk)
+                if stream is not None:
+                    await stream.feed((chunk,), validator.header)
                 if pending.expected is None and validator.header is not None:
                     # No Content-Length: the header gives the length; refuse now if
                     # it cannot fit rather than evict for it.
@@ -208,11 +214,17 @@ class Store:
             if batch:
                 await anyio.to_thread.run_sync(pending.write, batch)
             header = validator.finish()
-            created = await self._commit(key, pending, validator.crc, header)
+            if stream is not None:
+                created = await self._commit_streamed(stream, key, pending, validator.crc, header)
+            else:
+                created = await self._commit(key, pending, validator.crc, header)
         finally:
-            # Also runs on cancellation (client gone): remove the temp file at once.
+            # Also runs on cancellation (client gone): remove the temp file at once,
+            # withdraw the upload.
             with contextlib.suppress(OSError):
                 pending.abort()
+            if stream is not None:
+                await asyncio.shield(stream.abort())
         if created:
             self.metrics.bytes_received.inc(validator.received)
             return PutResult(True, validator.received, validator.crc)
@@ -221,6 +233,44 @@ class Store:
         if stored is None:  # removed again since (DELETE, eviction): nothing better to say
             return PutResult(False, validator.received, validator.crc)
         return PutResult(False, stored.size, stored.crc32c)
+
+    def _write_through(
+        self,
+        key: EntryKey,
+        declared_length: int | None,
+        expected_crc: int | None,
+        known_absent: bool,
+    ) -> WriteThrough | None:
+        """The overlapped upload of a write-through PUT, when it can be streamed: length
+        and CRC32C known up front, entry not on disk already."""
+        if (
+            self.s3 is None
+            or self.uploads is not None
+            or declared_length is None
+            or expected_crc is None
+            or self.disk.contains(key)
+        ):
+            return None
+        return WriteThrough(self.s3, key, declared_length, expected_crc, known_absent=known_absent)
+
+    async def _commit_streamed(
+        self,
+        stream: WriteThrough,
+        key: EntryKey,
+        pending: PendingWrite,
+        crc: int,
+        header: TensorHeader,
+    ) -> bool:
+        """Commit a write-through PUT whose upload overlapped the receive."""
+        self._refuse_if_purging(key)
+        if await stream.present():
+            return False  # another replica wrote it first: theirs is the entry
+        if stream.upload is None:  # not streamed (too large): upload the temp file now
+            assert self.s3 is not None
+            await self.s3.put_file(key, pending.path, crc, header)
+        else:
+            await stream.finish()
+        return await anyio.to_thread.run_sync(pending.commit, crc, header)
 
     async def _stored_info(self, key: EntryKey) -> EntryInfo | None:
         """The stored entry's description, for a PUT that stored nothing."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench import report, suite
+from bench import report, s3_paths, suite
 from bench.services import Services, load_average
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -37,6 +37,7 @@ SECTIONS: dict[str, Callable[[Services, suite.Plan, Any], dict[str, Any]]] = {
     "memory": suite.memory,
     "startup": suite.startup,
     "eviction": suite.eviction,
+    "s3": s3_paths.section,
 }
 
 
@@ -92,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         services.close()
         shutil.rmtree(root, ignore_errors=True)
-    results["targets"] = suite.targets(results)
+    results["targets"] = suite.targets(results) + s3_paths.targets(results)
     results["meta"]["loadavg_end"] = load_average()
     results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
     (out_dir / "latest.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "latest.md").write_text(report.markdown(results))
+    (out_dir / "latest.md").write_text(report.markdown(results) + s3_paths.markdown(results))
     plots = report.plots(results, out_dir)
     log(f"wrote {out_dir / 'latest.json'}, {out_dir / 'latest.md'}, {len(plots)} plots")
     for row in results["targets"]:

@@ -12,7 +12,7 @@ answer is unknown, 502 otherwise).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -75,12 +75,16 @@ class RemoteInfo:
 
 class RemoteBody(Protocol):
     """An open read of a backend entry: size (and CRC32C, when stored) known, body in
-    chunks. Chunks raise ``ECError`` when the read breaks; ``aclose`` always."""
+    chunks. Chunks raise ``ECError`` when the read breaks; ``aclose`` always.
+
+    ``chunks(sink)`` calls ``sink(chunk)`` on the thread that read the chunk, before
+    yielding it (the read-through writes it to disk there, saving a thread hop per
+    chunk); an exception from ``sink`` ends the iteration with it."""
 
     size: int
     crc32c: int | None
 
-    def chunks(self) -> AsyncIterator[bytes]: ...
+    def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]: ...
 
     async def aclose(self) -> None: ...
 
@@ -92,6 +96,21 @@ class RemoteBody(Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+class RemotePut(Protocol):
+    """An upload whose body is sent while it is being received (write-through).
+
+    ``feed`` hands on received chunks (and waits while the backend lags too far
+    behind); the backend holds the last bytes back until ``finish``, which the caller
+    calls only once it verified the whole body, and which returns once the entry is
+    stored; ``abort`` withdraws the body, leaving nothing. One of the two always."""
+
+    async def feed(self, chunks: Sequence[bytes | memoryview]) -> None: ...
+
+    async def finish(self) -> None: ...
+
+    async def abort(self) -> None: ...
 
 
 class Backend(Protocol):
@@ -116,6 +135,14 @@ class Backend(Protocol):
         self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
     ) -> None:
         """Store a verified local file as the entry; nothing is visible on failure."""
+        ...
+
+    def begin_put(
+        self, key: EntryKey, size: int, crc32c: int, header: TensorHeader
+    ) -> RemotePut | None:
+        """Start storing an entry of ``size`` bytes and CRC32C ``crc32c`` from a body
+        still being received (None: not for this size; use ``put_file``). The
+        backend verifies ``crc32c`` over what it receives."""
         ...
 
     async def delete(self, key: EntryKey) -> None:

@@ -9,18 +9,29 @@ The first request that misses a key starts one :class:`Fill`: a background task 
 streams the backend's body into a disk-tier temp file, validating it (safetensors
 header, length, CRC32C against the stored ``ec-crc32c``) and committing it to the disk
 tier only when everything matches. Every request for that key while the fill runs — the
-one that started it and any that join — *tails the temp file*: it gets the response
-headers as soon as the safetensors header has arrived and then the bytes as they land
-on disk, at its own pace. So N concurrent misses make exactly one backend GET, nobody
-waits for the whole object before the first byte, no request holds the body in memory,
-and a slow or vanished client neither slows nor stops the fill (the disk tier is filled
-anyway). The last chunk is only released after the fill verified the CRC32C: a corrupt
-object aborts every response instead of completing it.
+one that started it and any that join — follows the fill at its own pace: it gets the
+response headers as soon as the safetensors header has arrived (the backend's first read
+is small, so that is one round trip and a few KiB), then each chunk **from memory** as
+soon as it arrived, was written to the temp file (on the backend's reading thread, no
+extra thread hop) and validated (the fill keeps the last ``RECENT_BYTES`` received); a reader that falls further behind reads the rest back
+from the temp file. So N concurrent misses make exactly one backend GET, nobody waits
+for the whole object before the first byte, memory per fill is bounded, and a slow or
+vanished client neither slows nor stops the fill (the disk tier is filled anyway).
+
+The last chunk is only released after the fill verified the length and CRC32C of the
+whole body, and the entry is committed to disk only then: a corrupt object is never
+kept. A client whose object turns out corrupt has already received the response
+headers (200, ``Content-Length``) and all but the last chunk; the server then closes
+the connection without sending the rest, so the client sees a body shorter than its
+``Content-Length`` (the SDK raises a transport error; any HTTP client reports an
+incomplete read) and never a complete body with wrong bytes. The next request for the
+key asks the backend again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -46,6 +57,9 @@ from app.tiers.disk import DiskTier, PendingWrite
 
 log = logging.getLogger(__name__)
 
+#: Received bytes a fill keeps in memory for its readers (besides the chunk in hand).
+RECENT_BYTES = 8 * 1024 * 1024
+
 
 class Fill:
     """One backend -> disk copy of an entry, shared by every request that missed on it."""
@@ -63,7 +77,13 @@ class Fill:
         #: True once the body was verified (and committed to disk when it fits there).
         self.finished: asyncio.Future[bool] = loop.create_future()
         self.size = 0
+        #: Bytes received from the backend (validated so far), and of those on disk.
+        self._received = 0
         self._written = 0
+        #: The chunks received last, ``(offset, chunk)``, up to ``RECENT_BYTES``: readers
+        #: that keep up are sent these from memory (no read back from the temp file).
+        self._recent: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._recent_bytes = 0
         self._changed = asyncio.Event()
         # Read side of the temp file, shared by the readers (pread: no shared offset). It
         # outlives the rename at commit; closed when the fill is over and no reader is
@@ -123,10 +143,16 @@ class Fill:
                     expected_crc=remote.crc32c,
                     declared_length=remote.size,
                 )
-                async for chunk in remote.chunks():
+                write = pending.write
+
+                def to_disk(chunk: bytes) -> None:  # on the backend's reading thread
+                    write((chunk,))
+
+                async for chunk in remote.chunks(to_disk):
                     validator.feed(chunk)
-                    await anyio.to_thread.run_sync(pending.write, [chunk])
                     self._written += len(chunk)
+                    # Readers get the chunk from memory; the file serves who fell behind.
+                    self._remember(chunk)
                     if (
                         not self.ready.done()
                         and validator.header is not None
@@ -176,6 +202,22 @@ class Fill:
             owner._fill_done(self)
             self._maybe_close()
 
+    def _remember(self, chunk: bytes) -> None:
+        self._recent.append((self._received, chunk))
+        self._recent_bytes += len(chunk)
+        self._received += len(chunk)
+        while len(self._recent) > 1 and self._recent_bytes - len(self._recent[0][1]) >= (
+            RECENT_BYTES
+        ):
+            self._recent_bytes -= len(self._recent.popleft()[1])
+
+    def _from_memory(self, offset: int) -> bytes | None:
+        """The received bytes from ``offset`` to the end of their chunk, if still held."""
+        for start, chunk in self._recent:
+            if start <= offset < start + len(chunk):
+                return chunk if start == offset else chunk[offset - start :]
+        return None
+
     def _maybe_close(self) -> None:
         if self._readers <= 0 and self.finished.done() and self._reader_file is not None:
             self._reader_file.close()
@@ -203,13 +245,25 @@ class Fill:
             size = self.size
             offset = 0
             while offset < size:
+                while self._received <= offset and (failure := self._failure()) is None:
+                    await self._changed.wait()
+                if (failure := self._failure()) is not None:
+                    raise failure
+                data = self._from_memory(offset)
+                if data is not None:
+                    if offset + len(data) == size:
+                        # Release the last bytes only once the whole body is verified.
+                        await asyncio.shield(self.verified)
+                    offset += len(data)
+                    yield data
+                    continue
+                # Fell behind the memory window: read back what is on disk by now.
                 while self._written <= offset and (failure := self._failure()) is None:
                     await self._changed.wait()
                 if (failure := self._failure()) is not None:
                     raise failure
                 end = min(self._written, offset + chunk_size)
                 if end == size:
-                    # Release the last bytes only once the whole body is verified.
                     await asyncio.shield(self.verified)
                 reader = self._reader_file
                 assert reader is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -36,10 +36,13 @@ class MemoryBody:
     def __init__(self, data: bytes, crc: int | None, gate: asyncio.Event) -> None:
         self.data, self.size, self.crc32c, self.gate = data, len(data), crc, gate
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
         for start in range(0, self.size, 100):
             await self.gate.wait()
-            yield self.data[start : start + 100]
+            chunk = self.data[start : start + 100]
+            if sink is not None:
+                sink(chunk)
+            yield chunk
 
     async def aclose(self) -> None:
         pass

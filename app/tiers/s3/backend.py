@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 
 from prometheus_client import CollectorRegistry
@@ -98,9 +98,9 @@ class S3Body:
         self.size = download.info.size
         self.crc32c = download.info.crc32c
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
         with http_errors():
-            async for chunk in self._download.chunks():
+            async for chunk in self._download.chunks(sink):
                 yield chunk
 
     async def aclose(self) -> None:
@@ -116,6 +116,23 @@ class S3Body:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+class S3Put:
+    """A streaming upload as a :class:`~app.tiers.base.RemotePut` (errors mapped)."""
+
+    def __init__(self, upload: transfers.StreamingPut) -> None:
+        self._upload = upload
+
+    async def feed(self, chunks: Sequence[bytes | memoryview]) -> None:
+        await self._upload.feed(chunks)
+
+    async def finish(self) -> None:
+        with http_errors():
+            await self._upload.finish()
+
+    async def abort(self) -> None:
+        await self._upload.abort()
 
 
 class S3Backend:
@@ -187,6 +204,19 @@ class S3Backend:
                 crc32c=crc32c,
                 metadata=entry_metadata(header),
             )
+
+    def begin_put(
+        self, key: EntryKey, size: int, crc32c: int, header: TensorHeader
+    ) -> S3Put | None:
+        """A single ``PutObject`` streamed from the receive, below the multipart
+        threshold (above it the body goes up in parts from the committed file)."""
+        if size >= self.client.settings.s3_multipart_threshold:
+            return None
+        return S3Put(
+            transfers.StreamingPut(
+                self.client, self.object_key(key), size, crc32c, entry_metadata(header)
+            )
+        )
 
     async def delete(self, key: EntryKey) -> None:
         with http_errors():

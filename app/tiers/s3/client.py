@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 METADATA_CRC_KEY = "ec-crc32c"  # sent as x-amz-meta-ec-crc32c
+#: The first read of a GET body (then reads grow x8 up to ``EC_S3_GET_CHUNK_SIZE``).
+FIRST_READ_BYTES = 64 * 1024
+#: Chunks a download reads ahead of its consumer at most.
+READ_AHEAD = 2
 #: Path-style addressing: any endpoint works without wildcard DNS.
 ADDRESSING_STYLE = "path"
 
@@ -100,17 +104,23 @@ def _info_from_response(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
 
 
 class S3Download:
-    """An open S3 GET: ``info`` is known, the body is read in chunks on the S3 thread pool
-    with one chunk of read-ahead, never buffered whole. Always ``aclose()`` it (or use
-    ``async with``); closing early drops the connection instead of draining the body."""
+    """An open S3 GET: ``info`` is known, the body is read in chunks on the S3 thread pool,
+    never buffered whole. Always ``aclose()`` it (or use ``async with``); closing early
+    drops the connection instead of draining the body.
+
+    One pool job reads the whole body (``READ_AHEAD`` chunks ahead of the consumer at
+    most) and hands each chunk to the event loop as it arrives: one wake-up of the loop
+    per chunk, instead of a job submitted and a future resolved per chunk."""
 
     def __init__(self, s3: S3Client, info: ObjectInfo, body: Any) -> None:
         self.info = info
         self._s3 = s3
         self._body = body
-        self._pending: asyncio.Future[bytes] | None = None
+        self._job: asyncio.Future[None] | None = None
         self._closed = False
+        self._stop = False
         self._received = 0
+        self._room = threading.Semaphore(READ_AHEAD)
 
     async def __aenter__(self) -> S3Download:
         return self
@@ -123,32 +133,63 @@ class S3Download:
     ) -> None:
         await self.aclose()
 
-    def _read(self) -> bytes:
+    def _pump(
+        self,
+        sink: Callable[[bytes], None] | None,
+        post: Callable[[bytes | BaseException | None], None],
+    ) -> None:
+        """On a pool thread: read the body to its end (or until closed), passing each
+        chunk to ``sink`` and then to ``post``; ``post(None)`` at the end, or the
+        exception that stopped it."""
+        # The first read is small, so the safetensors header (and with it the response
+        # headers of a read-through) is known after one round trip; later reads grow
+        # to EC_S3_GET_CHUNK_SIZE.
+        size = min(FIRST_READ_BYTES, self._s3.settings.s3_get_chunk_size)
         try:
-            data: bytes = self._body.read(self._s3.settings.s3_get_chunk_size)
-        except Exception as exc:
-            raise map_error(exc, "get", self._s3.cooldown) from exc
-        return data
+            while True:
+                self._room.acquire()
+                if self._stop:
+                    return
+                try:
+                    data: bytes = self._body.read(size)
+                except Exception as exc:
+                    raise map_error(exc, "get", self._s3.cooldown) from exc
+                if not data:
+                    post(None)
+                    return
+                if sink is not None:
+                    sink(data)
+                post(data)
+                size = min(size * 8, self._s3.settings.s3_get_chunk_size)
+        except BaseException as exc:
+            post(exc)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
-        :class:`S3Unavailable` when the connection breaks mid-body (the body is then
-        incomplete and must not be used)."""
-        if self._closed:
-            raise RuntimeError("download already closed")
+    async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes, each passed
+        to ``sink`` first on the pool thread that read it. Raises :class:`S3Unavailable`
+        when the connection breaks mid-body (the body is then incomplete and must not be
+        used)."""
+        if self._closed or self._job is not None:
+            raise RuntimeError("download already closed or being read")
         loop = asyncio.get_running_loop()
         metrics = self._s3.metrics
+        arrived: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+
+        def post(item: bytes | BaseException | None) -> None:
+            loop.call_soon_threadsafe(arrived.put_nowait, item)
+
+        self._job = loop.run_in_executor(self._s3.executor, self._pump, sink, post)
         try:
-            self._pending = loop.run_in_executor(self._s3.executor, self._read)
             while True:
-                chunk = await self._pending
-                self._pending = None
-                if not chunk:
+                item = await arrived.get()
+                if item is None:
                     break
-                self._received += len(chunk)
-                metrics.bytes_down.inc(len(chunk))
-                self._pending = loop.run_in_executor(self._s3.executor, self._read)
-                yield chunk
+                if isinstance(item, BaseException):
+                    raise item
+                self._room.release()
+                self._received += len(item)
+                metrics.bytes_down.inc(len(item))
+                yield item
         except S3Unavailable:
             self._s3.mark_unavailable()
             metrics.requests.labels("get_body", "unavailable").inc()
@@ -173,7 +214,7 @@ class S3Download:
         if self._closed:
             return
         self._closed = True
-        pending, self._pending = self._pending, None
+        job, self._job = self._job, None
         body = self._body
 
         def _close() -> None:
@@ -183,11 +224,13 @@ class S3Download:
                 log.debug("closing S3 body failed", exc_info=True)
 
         loop = asyncio.get_running_loop()
-        if pending is not None:
-            # A read-ahead is in flight on the pool: let it finish before closing the
+        if job is not None:
+            # The reading job may be inside a read: let it finish before closing the
             # stream under it (urllib3 responses are not thread-safe).
+            self._stop = True
+            self._room.release()
             with contextlib.suppress(BaseException):
-                await asyncio.shield(pending)
+                await asyncio.shield(job)
         await loop.run_in_executor(self._s3.executor, _close)
 
 
@@ -232,7 +275,11 @@ class S3Client:
         common: dict[str, Any] = {
             "region_name": settings.s3_region,
             "signature_version": "s3v4",
-            "s3": {"addressing_style": ADDRESSING_STYLE},
+            # Every upload carries its CRC32C, which S3 verifies and the signature
+            # covers; hashing the body with SHA-256 as well (what botocore does by
+            # default over http://) would cost a second pass over every byte, and a
+            # streamed body cannot be hashed before it is sent.
+            "s3": {"addressing_style": ADDRESSING_STYLE, "payload_signing_enabled": False},
             "max_pool_connections": pool,
             "tcp_keepalive": True,
             # We pass our own CRC32C where it matters; don't let botocore add its default
@@ -250,6 +297,19 @@ class S3Client:
                 connect_timeout=settings.s3_connect_timeout,
                 read_timeout=settings.s3_read_timeout,
                 retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
+                **common,
+            ),
+        )
+        #: Streaming uploads (``transfers.StreamingPut``): one attempt, because a body
+        #: that is being received cannot be sent again.
+        self.stream_client: Any = session.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            verify=settings.s3_verify_tls,
+            config=Config(
+                connect_timeout=settings.s3_connect_timeout,
+                read_timeout=settings.s3_read_timeout,
+                retries={"max_attempts": 1, "mode": "standard"},
                 **common,
             ),
         )
@@ -473,7 +533,7 @@ class S3Client:
     def shutdown(self) -> None:
         """Synchronous :meth:`close` (for code outside an event loop)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
-        for client in (self.client, self.probe_client):
+        for client in (self.client, self.stream_client, self.probe_client):
             try:
                 client.close()
             except Exception:

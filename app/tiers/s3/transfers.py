@@ -15,9 +15,12 @@ of zlib's ``crc32_combine`` lives here (tested against whole-body CRCs in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import logging
 import os
-from collections.abc import Mapping
+import queue
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from app.checksum import crc32c as crc32c_of
@@ -88,7 +91,8 @@ def object_metadata(crc32c: int, metadata: Mapping[str, str] | None) -> dict[str
 def _put_object(
     s3: S3Client, key: str, body: Any, size: int, crc32c: int, metadata: Mapping[str, str] | None
 ) -> None:
-    s3.client.put_object(
+    client = s3.stream_client if isinstance(body, BodyPipe) else s3.client
+    client.put_object(
         Bucket=s3.bucket,
         Key=key,
         Body=body,
@@ -135,6 +139,165 @@ async def put_file(
         await s3.call("put", _single)
     else:
         await _put_multipart(s3, key, os.fspath(path), size, crc32c, metadata)
+
+
+#: Bytes a streaming upload lets the receive run ahead of what S3 has taken.
+STREAM_WINDOW = 8 * MiB
+
+
+class UploadAborted(Exception):
+    """The body of a streaming upload was withdrawn (bad body, client gone)."""
+
+
+class BodyPipe:
+    """The body of a streaming ``PutObject``, fed from the event loop, read by botocore
+    (urllib3's send loop) on an S3 pool thread.
+
+    ``read`` blocks until a chunk arrives and answers it whole (whatever ``amt`` asks:
+    urllib3 only needs non-empty blocks until ``b""``, and one ``sendall`` per received
+    chunk beats one per 16 KiB); it raises :class:`UploadAborted` once the body is
+    withdrawn, which drops the half-sent request so S3 stores nothing. ``seek`` only
+    to where it is (the signer asks for a stream; the payload is not hashed): a retry
+    cannot replay the body, so the streaming client makes one attempt.
+    """
+
+    _EOF = object()
+    _ABORT = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: Bytes handed in but not yet taken by the sender (read on the loop only).
+        self.queued = 0
+        self.aborted = False
+        self._finished = False
+        self._started = False
+        self._taken = asyncio.Event()
+
+    # -- event loop side
+    def push(self, chunk: bytes | memoryview) -> None:
+        if len(chunk):
+            self.queued += len(chunk)
+            self._queue.put(chunk)
+
+    def close(self) -> None:
+        self._queue.put(self._EOF)
+
+    def abort(self) -> None:
+        self.aborted = True
+        self._queue.put(self._ABORT)
+
+    async def wait_taken(self) -> None:
+        self._taken.clear()
+        await self._taken.wait()
+
+    def _took(self, n: int) -> None:
+        self.queued -= n
+        self._taken.set()
+
+    # -- sender thread side
+    def tell(self) -> int:
+        if self._started:
+            raise io.UnsupportedOperation("a streamed upload body has no position")
+        return 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if self._started or offset != 0 or whence != 0:
+            raise io.UnsupportedOperation("a streamed upload body cannot be replayed")
+        return 0
+
+    def read(self, amt: int | None = -1) -> bytes | memoryview:
+        if self._finished:
+            return b""
+        self._started = True
+        item = self._queue.get()
+        if item is self._ABORT:
+            self._finished = True
+            raise UploadAborted("upload body withdrawn")
+        if item is self._EOF:
+            self._finished = True
+            return b""
+        self._loop.call_soon_threadsafe(self._took, len(item))
+        chunk: bytes | memoryview = item
+        return chunk
+
+
+class StreamingPut:
+    """One ``PutObject`` whose body is sent while it is still being received.
+
+    The size and the CRC32C must be known before the first byte (Content-Length and
+    ``X-EC-CRC32C`` of the PUT): S3 verifies the CRC32C over what it receives. The
+    last chunk fed is held back until :meth:`finish`, which the caller calls only once
+    it has verified the whole body itself, so S3 can never complete an object the
+    caller found bad; :meth:`abort` withdraws the body and S3 stores nothing.
+    """
+
+    def __init__(
+        self,
+        s3: S3Client,
+        key: str,
+        size: int,
+        crc32c: int,
+        metadata: Mapping[str, str] | None,
+    ) -> None:
+        self.key = key
+        self._pipe = BodyPipe(asyncio.get_running_loop())
+        self._held: bytes | memoryview | None = None
+        pipe = self._pipe
+
+        def _send() -> bool:
+            try:
+                _put_object(s3, key, pipe, size, crc32c, metadata)
+            except Exception:
+                if pipe.aborted:  # our own withdrawal, not an S3 failure
+                    return False
+                raise
+            return True
+
+        self._task: asyncio.Future[bool | None] = asyncio.ensure_future(s3.call("put", _send))
+        self._task.add_done_callback(_consume_result)
+
+    @property
+    def failed(self) -> bool:
+        """The upload is over before its end: S3 refused or broke it (``finish`` raises)."""
+        return self._task.done()
+
+    async def feed(self, chunks: Sequence[bytes | memoryview]) -> None:
+        """Hand received chunks to the sender (all but the last one so far); waits while
+        more than ``STREAM_WINDOW`` bytes are queued."""
+        if self._task.done():
+            return  # refused or broken already: finish() raises why
+        pipe = self._pipe
+        for chunk in chunks:
+            if self._held is not None:
+                pipe.push(self._held)
+            self._held = chunk
+        while pipe.queued > STREAM_WINDOW and not self._task.done():
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(pipe.wait_taken())
+            either: list[asyncio.Future[Any]] = [waiter, self._task]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+
+    async def finish(self) -> None:
+        """Release the held-back last bytes and wait until S3 stored the object."""
+        if self._held is not None and not self._task.done():
+            self._pipe.push(self._held)
+        self._held = None
+        self._pipe.close()
+        if not await self._task:
+            raise S3Error(f"upload of {self.key} was withdrawn")
+
+    async def abort(self) -> None:
+        """Withdraw the body: S3 stores nothing. Waits for the sender to stop."""
+        self._held = None
+        self._pipe.abort()
+        with contextlib.suppress(Exception):  # the upload failing is the point
+            await asyncio.shield(self._task)
+
+
+def _consume_result(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def part_size_for(size: int, part_size: int) -> int:

@@ -1,0 +1,454 @@
+"""The ``s3`` section: ec-cache's S3 paths against boto3 straight to the same S3, with
+S3 kept off the cores that the client and the server use.
+
+On a machine with at least 2 CPUs, a SeaweedFS of this section's own is pinned to the
+last CPU (``sched_setaffinity`` on every thread of ``weed``, stdlib only) and the
+benchmark process and the ec-cache servers to the others, so that boto3 and ec-cache
+talk to an S3 that does not compete with them for CPU: the ratios then measure the
+design, not who got the shared core. Where pinning is impossible (one CPU, no
+``sched_setaffinity``) the section still runs, unpinned, and says so in its output
+(``isolation``).
+
+Per payload (4.7, 19.3 and 67 MB; interleaved rounds, sequential requests, one
+keep-alive connection each):
+
+* **PUT**: ec-cache SDK write-through (201 once disk and S3 hold the verified bytes)
+  against boto3 ``put_object`` of the same body to the same S3;
+* **read-through GET**: a "cold" server whose disk holds one entry reads three keys in
+  one strict cycle, so every GET is an S3 hit (its ``/stats`` lookups are recorded).
+  Through the SDK, and through urllib3 streaming (``read(1)`` then the rest) for the
+  time to first body byte (TTFB), against boto3 ``get_object`` (``Body.read(1)`` then
+  the rest: the same urllib3 underneath);
+* **disk-hit GET** from the write-through server, for its CPU cost.
+
+Server CPU-seconds per GB: ``utime + stime`` of ``/proc/<pid>/stat`` of the server that
+answered, read before and after each contender's timed round (nothing else talks to
+that server then), divided by the bytes moved; the same for SeaweedFS and for the
+benchmark process (the client) for comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ec_cache
+import urllib3
+
+from bench.contenders import boto3_client, same_bits, tensor_from_safetensors_bytes
+from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS, Payload
+from bench.services import Services, http_json, load_average
+from bench.stats import median
+from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
+from tests.support.server import ServerProcess
+
+PREFIX = "ec-s3paths"
+BUCKET = "ec-bench-s3paths"
+TICKS = os.sysconf("SC_CLK_TCK")
+SDK_PUT = "ec-cache SDK PUT, write-through"
+BOTO3_PUT = "boto3 put_object"
+SDK_S3_GET = "ec-cache SDK GET, S3 hit (read-through)"
+URLLIB3_S3_GET = "ec-cache urllib3 stream, S3 hit (read-through)"
+BOTO3_GET = "boto3 get_object"
+SDK_DISK_GET = "ec-cache SDK GET, disk hit"
+
+
+# --------------------------------------------------------------------------- isolation
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of ``pid`` (``/proc/<pid>/stat``), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` to ``cpus`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@dataclass
+class Isolation:
+    s3_cpus: set[int] = field(default_factory=set)
+    other_cpus: set[int] = field(default_factory=set)
+    why_not: str = ""
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.s3_cpus)
+
+    @classmethod
+    def plan(cls) -> Isolation:
+        if not hasattr(os, "sched_setaffinity"):
+            return cls(why_not="os.sched_setaffinity is not available on this platform")
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            return cls(why_not=f"only {len(cpus)} CPU usable: S3 shares it with everything")
+        return cls({cpus[-1]}, set(cpus[:-1]))
+
+    def describe(self) -> str:
+        if not self.pinned:
+            return f"NOT isolated ({self.why_not}); S3, server and client share the CPUs"
+        return (
+            f"SeaweedFS pinned to CPU {sorted(self.s3_cpus)}, benchmark client and "
+            f"ec-cache servers to CPU {sorted(self.other_cpus)}"
+        )
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Row:
+    label: str
+    pid_of: Callable[[], int | None]
+    seconds: list[list[float]] = field(default_factory=list)
+    ttfb: list[float] = field(default_factory=list)
+    round_bytes: list[int] = field(default_factory=list)
+    server_cpu: float = 0.0
+    s3_cpu: float = 0.0
+    client_cpu: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        flat = [s for r in self.seconds for s in r]
+        per_round = [b / sum(r) / 1e6 for b, r in zip(self.round_bytes, self.seconds, strict=True)]
+        moved_gb = sum(self.round_bytes) / 1e9
+        out: dict[str, Any] = {
+            "requests": len(flat),
+            "mb_per_s_median": median(per_round),
+            "mb_per_s_rounds": [round(x, 1) for x in per_round],
+            "p50_ms": median(flat) * 1e3,
+            "raw_seconds": [[round(s, 6) for s in r] for r in self.seconds],
+            "s3_cpu_s_per_gb": self.s3_cpu / moved_gb,
+            "client_cpu_s_per_gb": self.client_cpu / moved_gb,
+        }
+        if self.pid_of() is not None:
+            out["server_cpu_s_per_gb"] = self.server_cpu / moved_gb
+        if self.ttfb:
+            out["ttfb_p50_ms"] = median(self.ttfb) * 1e3
+            out["ttfb_ms"] = [round(t * 1e3, 3) for t in self.ttfb]
+        return out
+
+
+Op = Callable[[int], tuple[int, float | None]]
+
+
+def run_rounds(
+    contenders: list[tuple[Row, Op]], *, rounds: int, requests: int, s3_pid: int
+) -> dict[str, Any]:
+    """Interleaved rounds (order rotated and reversed), CPU read around each round."""
+    for _, op in contenders:  # connections, page cache
+        op(0)
+    for round_index in range(rounds):
+        shift = round_index % len(contenders)
+        order = contenders[shift:] + contenders[:shift]
+        if round_index % 2:
+            order.reverse()
+        for row, op in order:
+            pid = row.pid_of()
+            server_before = cpu_seconds(pid) if pid else 0.0
+            s3_before = cpu_seconds(s3_pid)
+            client_before = cpu_seconds(os.getpid())
+            seconds: list[float] = []
+            moved = 0
+            for i in range(requests):
+                start = time.perf_counter()
+                n, first = op(i)
+                seconds.append(time.perf_counter() - start)
+                moved += n
+                if first is not None:
+                    row.ttfb.append(first - start)
+            row.client_cpu += cpu_seconds(os.getpid()) - client_before
+            row.s3_cpu += cpu_seconds(s3_pid) - s3_before
+            if pid:
+                row.server_cpu += cpu_seconds(pid) - server_before
+            row.seconds.append(seconds)
+            row.round_bytes.append(moved)
+    return {row.label: row.summary() for row, _ in contenders}
+
+
+# --------------------------------------------------------------------------- section
+
+
+def _plan(quick: bool) -> tuple[list[Payload], dict[str, tuple[int, int]]]:
+    if quick:
+        return QUICK_PAYLOADS[1:2], {QUICK_PAYLOADS[1].name: (4, 2)}
+    payloads = FULL_PAYLOADS[1:4]
+    return payloads, {
+        "llava-576x4096": (12, 5),
+        "qwen25vl-2691x3584": (6, 5),
+        "qwen3vl-2040x16384": (3, 5),
+    }
+
+
+def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
+    """See the module docstring."""
+    isolation = Isolation.plan()
+    log(f"s3: {isolation.describe()}")
+    payloads, requests = _plan(plan.quick)
+    root: Path = svc.root / "s3paths"
+    weed = SeaweedFS(root / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
+    weed.start()
+    try:
+        assert weed.proc is not None
+        s3_pid = weed.proc.pid
+        endpoint = S3Endpoint(
+            endpoint_url=weed.endpoint_url,
+            bucket=BUCKET,
+            region="us-east-1",
+            access_key=TEST_ACCESS_KEY,
+            secret_key=TEST_SECRET_KEY,
+            managed=weed,
+        )
+        endpoint.ensure_bucket()
+        if isolation.pinned:
+            pin_process(s3_pid, isolation.s3_cpus)
+            pin_process(os.getpid(), isolation.other_cpus)
+        out: dict[str, Any] = {
+            "isolation": isolation.describe(),
+            "pinned": isolation.pinned,
+            "loadavg_before": load_average(),
+            "payloads": {},
+        }
+        for payload in payloads:
+            count, rounds = requests[payload.name]
+            log(f"s3: {payload.name} ({count} requests x {rounds} rounds)")
+            out["payloads"][payload.name] = _payload(
+                svc, root, endpoint, isolation, s3_pid, payload, count, rounds
+            )
+        out["loadavg_after"] = load_average()
+        return out
+    finally:
+        if isolation.pinned:
+            pin_process(os.getpid(), isolation.s3_cpus | isolation.other_cpus)
+        weed.stop()
+
+
+def _server(
+    svc: Services, root: Path, name: str, endpoint: S3Endpoint, iso: Isolation, **settings: Any
+) -> ServerProcess:
+    proc = ServerProcess(root / f"ec-{name}", root / f"ec-{name}.log", **settings)
+    proc.env.update(endpoint.env(prefix=PREFIX))
+    proc.start()
+    svc._stack.callback(proc.stop)
+    assert proc.proc is not None
+    if iso.pinned:
+        pin_process(proc.proc.pid, iso.other_cpus)
+    return proc
+
+
+def _pid(proc: ServerProcess) -> Callable[[], int | None]:
+    return lambda: proc.proc.pid if proc.proc is not None else None
+
+
+def _payload(
+    svc: Services,
+    root: Path,
+    endpoint: S3Endpoint,
+    iso: Isolation,
+    s3_pid: int,
+    payload: Payload,
+    count: int,
+    rounds: int,
+) -> dict[str, Any]:
+    s3 = boto3_client(endpoint.endpoint_url, endpoint.access_key, endpoint.secret_key)
+    body = payload.body(payload.tensor(seed=1))
+    tensors = [payload.tensor(seed=10 + k) for k in range(3)]
+    keys = [f"{payload.name}-s3-{k}" for k in range(3)]
+    wt = _server(
+        svc, root, f"wt-{payload.name}", endpoint, iso, disk_max_bytes="8GiB", max_body_bytes="1GiB"
+    )
+    cold = _server(
+        svc,
+        root,
+        f"cold-{payload.name}",
+        endpoint,
+        iso,
+        disk_max_bytes=payload.size,
+        max_body_bytes="1GiB",
+    )
+    hot_client = ec_cache.Client(wt.url, model=MODEL, dtype=DTYPE)
+    cold_client = ec_cache.Client(cold.url, model=MODEL, dtype=DTYPE)
+    cold_pool = urllib3.HTTPConnectionPool("127.0.0.1", cold.port, maxsize=1)
+    entry: dict[str, Any] = {"entry_bytes": payload.size, "shape": list(payload.shape)}
+    try:
+        for key, tensor in zip(keys, tensors, strict=True):
+            assert hot_client.put(key, tensor)
+        object_key = [f"{PREFIX}/{MODEL}/{DTYPE}/{key}.safetensors" for key in keys]
+        # Right bits from every way before anything is timed.
+        got = cold_client.get(keys[0])
+        assert got is not None and same_bits(got, tensors[0])
+        data = s3.get_object(Bucket=BUCKET, Key=object_key[1])["Body"].read()
+        assert same_bits(tensor_from_safetensors_bytes(data, payload), tensors[1])
+
+        # One strict cycle shared by both cold contenders: every GET misses the disk.
+        cold_cycle = itertools.count(1)
+        boto_cycle = itertools.count()
+
+        def sdk_s3(_: int) -> tuple[int, float | None]:
+            key = keys[next(cold_cycle) % 3]
+            if cold_client.get(key) is None:
+                raise RuntimeError(f"miss on {key}")
+            return payload.size, None
+
+        def urllib3_s3(_: int) -> tuple[int, float | None]:
+            key = keys[next(cold_cycle) % 3]
+            resp = cold_pool.urlopen(
+                "GET", f"/ec/{MODEL}/{DTYPE}/{key}", preload_content=False, retries=False
+            )
+            first = resp.read(1)
+            t_first = time.perf_counter()
+            rest = resp.read()
+            resp.release_conn()
+            if resp.status != 200 or len(first) + len(rest) != payload.size:
+                raise RuntimeError(f"ec-cache answered {resp.status}")
+            return payload.size, t_first
+
+        def boto3_get(_: int) -> tuple[int, float | None]:
+            stream = s3.get_object(Bucket=BUCKET, Key=object_key[next(boto_cycle) % 3])["Body"]
+            first = stream.read(1)
+            t_first = time.perf_counter()
+            rest = stream.read()
+            if len(first) + len(rest) != payload.size:
+                raise RuntimeError("boto3 returned a short body")
+            return payload.size, t_first
+
+        def sdk_disk(i: int) -> tuple[int, float | None]:
+            if hot_client.get(keys[i % 3]) is None:
+                raise RuntimeError("miss on the hot server")
+            return payload.size, None
+
+        lookups_before = http_json(cold.url + "/stats")["lookups"]
+        entry["get"] = run_rounds(
+            [
+                (Row(BOTO3_GET, lambda: None), boto3_get),
+                (Row(SDK_S3_GET, _pid(cold)), sdk_s3),
+                (Row(URLLIB3_S3_GET, _pid(cold)), urllib3_s3),
+                (Row(SDK_DISK_GET, _pid(wt)), sdk_disk),
+            ],
+            rounds=rounds,
+            requests=count,
+            s3_pid=s3_pid,
+        )
+        after = http_json(cold.url + "/stats")["lookups"]
+        entry["cold_server_lookups"] = {k: after[k] - lookups_before.get(k, 0) for k in after}
+
+        put_counter = itertools.count()
+        written: list[str] = []
+        sdk_body = payload.tensor(seed=1)
+
+        def sdk_put(_: int) -> tuple[int, float | None]:
+            key = f"{payload.name}-put-{next(put_counter)}"
+            written.append(key)
+            if not hot_client.put(key, sdk_body):
+                raise RuntimeError("PUT did not create the entry")
+            return payload.size, None
+
+        def boto3_put(_: int) -> tuple[int, float | None]:
+            key = f"alt/{payload.name}-put-{next(put_counter)}"
+            s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+            return payload.size, None
+
+        entry["put"] = run_rounds(
+            [(Row(BOTO3_PUT, lambda: None), boto3_put), (Row(SDK_PUT, _pid(wt)), sdk_put)],
+            rounds=rounds,
+            requests=count,
+            s3_pid=s3_pid,
+        )
+        for key in written:
+            hot_client.delete(key)
+    finally:
+        hot_client.close()
+        cold_client.close()
+        cold_pool.close()
+        svc.stop_server(cold)
+        svc.stop_server(wt)
+    return entry
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _ratio(name: str, want: float, measured: float, reference: float, higher: bool = True) -> Any:
+    ratio = measured / reference if reference else float("nan")
+    ok = ratio >= want if higher else ratio <= want
+    return {
+        "target": name,
+        "want": f"{'>=' if higher else '<='} {want:g}x",
+        "ratio": ratio,
+        "pass": bool(ok),
+        "by": ratio - want if higher else want - ratio,
+    }
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    section_results = results.get("s3")
+    if not section_results:
+        return rows
+    tag = "" if section_results["pinned"] else " (S3 NOT isolated)"
+    for name, entry in section_results["payloads"].items():
+        get, put = entry["get"], entry["put"]
+        rows.append(
+            _ratio(
+                f"write-through PUT via SDK vs boto3 put_object, {name}{tag}",
+                0.9,
+                put[SDK_PUT]["mb_per_s_median"],
+                put[BOTO3_PUT]["mb_per_s_median"],
+            )
+        )
+        rows.append(
+            _ratio(
+                f"read-through GET via SDK vs boto3 get_object, {name}{tag}",
+                0.9,
+                get[SDK_S3_GET]["mb_per_s_median"],
+                get[BOTO3_GET]["mb_per_s_median"],
+            )
+        )
+        rows.append(
+            _ratio(
+                f"read-through time to first byte vs boto3's, {name}{tag}",
+                1.2,
+                get[URLLIB3_S3_GET]["ttfb_p50_ms"],
+                get[BOTO3_GET]["ttfb_p50_ms"],
+                higher=False,
+            )
+        )
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    section_results = results.get("s3")
+    if not section_results:
+        return ""
+    out = [
+        "## S3 paths (section `s3`)",
+        "",
+        f"{section_results['isolation']}. Load {section_results['loadavg_before']} -> "
+        f"{section_results['loadavg_after']}.",
+        "",
+        "| payload | contender | MB/s (median) | p50 ms | TTFB p50 ms | server CPU s/GB "
+        "| S3 CPU s/GB | client CPU s/GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in section_results["payloads"].items():
+        for kind in ("get", "put"):
+            for label, row in entry[kind].items():
+                ttfb = f"{row['ttfb_p50_ms']:.2f}" if "ttfb_p50_ms" in row else ""
+                server = f"{row['server_cpu_s_per_gb']:.2f}" if "server_cpu_s_per_gb" in row else ""
+                out.append(
+                    f"| {name} | {label} | {row['mb_per_s_median']:.0f} | {row['p50_ms']:.1f} "
+                    f"| {ttfb} | {server} | {row['s3_cpu_s_per_gb']:.2f} "
+                    f"| {row['client_cpu_s_per_gb']:.2f} |"
+                )
+        out.append(f"| {name} | cold-server lookups | {entry['cold_server_lookups']} | | | | | |")
+    return "\n".join(out) + "\n"
