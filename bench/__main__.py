@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench import report, suite
+from bench import put_scale, report, suite
 from bench.services import Services, load_average
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -36,6 +36,7 @@ SECTIONS: dict[str, Callable[[Services, suite.Plan, Any], dict[str, Any]]] = {
     "memory": suite.memory,
     "startup": suite.startup,
     "eviction": suite.eviction,
+    "put_scale": put_scale.put_scale,
 }
 
 
