@@ -324,11 +324,13 @@ class _GroupCommitter:
             self._cond.notify()
 
     def submit(self, job: _Commit) -> None:
-        if not self._tier.contains(job.pending.key):  # a loser spares its fsyncs
-            with self._cond:
-                if self._syncer is None:
-                    self._syncer = ThreadPoolExecutor(SYNC_THREADS, "ec-disk-sync")
-                syncer = self._syncer
+        with self._cond:
+            if self._syncer is None and not self._closed:
+                self._syncer = ThreadPoolExecutor(SYNC_THREADS, "ec-disk-sync")
+            syncer = None if self._closed else self._syncer
+        # A loser of the first-writer race spares its fsyncs; once closed, the batch
+        # syncs (see _commit_batch).
+        if syncer is not None and not self._tier.contains(job.pending.key):
             job.data = syncer.submit(job.sync_data, self._tier._commit_metrics)
         with self._cond:
             self._writing -= 1
@@ -637,14 +639,17 @@ class DiskTier:
                 )
             claimed.add(digest)
             jobs.append(job)
-        # (1) the bytes: synced in parallel since each was handed over (see submit)
-        for job in batch:
-            if job.data is not None:
+        # (1) the bytes: synced in parallel since each was handed over (see submit),
+        # here when that was skipped (the key existed then, and is gone since)
+        for job in jobs:
+            if job.error is None:
                 try:
-                    job.data.result()
+                    if job.data is not None:
+                        job.data.result()
+                    else:
+                        job.sync_data(self._commit_metrics)
                 except OSError as exc:
-                    if job.error is None:
-                        job.error = exc
+                    job.error = exc
             job.close_fd()
             for staged in job.staged:
                 staged.close()

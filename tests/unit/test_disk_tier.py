@@ -306,3 +306,30 @@ def test_group_commit_failure_fails_only_its_upload(
     assert _files(tier.root / "tmp") == []
     assert len(_files(tier.root / "objects")) == 2
     tier.close()
+
+
+def test_group_commit_syncs_what_was_not_synced_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload whose early fdatasync was not started (its key existed when it was
+    handed over, or the tier is closing) is synced by its batch before it is published."""
+    tier = DiskTier(tmp_path, max_bytes=100_000)
+    tier.rebuild()
+    first, second = body((100,), "U8", 1, seed=1), body((100,), "U8", 1, seed=2)
+    assert _put(tier, "k", first) is True
+    late = _begin(tier, "k", second)
+    tier.close()  # batches now run in the submitting thread: order is deterministic
+    assert tier.delete(_key("k"))
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    late_fd = late.fd
+    assert late.submit(crc32c(second), validate_body(second, "uint8")).result() is True
+    assert synced == [late_fd]
+    assert _read(tier, "k") == second
+    assert _files(tier.root / "tmp") == []
