@@ -667,9 +667,10 @@ class DiskTier:
         # (3) the entries' names
         live = [job for job in jobs if job.error is None]
         entry_dirs: dict[Path, list[_Commit]] = {}
+        compact = False
         if live:
             try:
-                self._log_keys([job.pending.key for job in live])
+                compact = self._log_keys([job.pending.key for job in live])
             except OSError as exc:
                 for job in live:
                     job.error = exc
@@ -713,6 +714,8 @@ class DiskTier:
                 self._commit_batches += 1
                 self._committed_entries += len(published)
         self._unlink(victims)
+        if compact:
+            self._compact_keys_log()
         if jobs:
             self._commit_metrics.batch_size.observe(len(jobs))
             self._commit_metrics.seconds.observe(time.perf_counter() - started)
@@ -913,9 +916,11 @@ class DiskTier:
     def _key_line(key: EntryKey) -> bytes:
         return f"{key.digest} {key.model} {key.dtype} {key.hash}\n".encode()
 
-    def _log_keys(self, keys: Sequence[EntryKey]) -> None:
+    def _log_keys(self, keys: Sequence[EntryKey]) -> bool:
         """Append the keys' lines (not synced: a line lost to a power cut leaves its
-        entry unattributed, still served, and removed by any purge)."""
+        entry unattributed, still served, and removed by any purge). True when the log
+        should be compacted — once these entries are in the index, or their lines,
+        not yet backed by an entry, would be dropped."""
         with self._keys_lock:
             if self._keys_fd is None:
                 self._keys_fd = os.open(
@@ -923,9 +928,7 @@ class DiskTier:
                 )
             os.write(self._keys_fd, b"".join(map(self._key_line, keys)))
             self._keys_lines += len(keys)
-            grown = self._keys_lines > 2 * len(self._index) + KEYS_LOG_SLACK
-        if grown:
-            self._compact_keys_log()
+            return self._keys_lines > 2 * len(self._index) + KEYS_LOG_SLACK
 
     def _compact_keys_log(self) -> None:
         """Rewrite keys.log with the lines of the entries present (atomically)."""
