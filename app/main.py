@@ -116,7 +116,12 @@ def create_app(settings: Settings | None = None) -> ECApp:
     settings = settings or Settings()
     authenticator = _authenticator(settings)
     metrics = Metrics(settings.metrics_namespaces)
-    disk = DiskTier(settings.data_dir, settings.disk_max_bytes)
+    disk = DiskTier(
+        settings.data_dir,
+        settings.disk_max_bytes,
+        commit_delay=settings.disk_commit_delay,
+        registry=metrics.registry,
+    )
     metrics.watch_disk(disk.stats)
     store = Store(settings, disk, metrics, _s3_backend(settings, metrics))
 

@@ -223,6 +223,34 @@ class ReadThroughMetrics:
         )
 
 
+class DiskCommitMetrics:
+    """The disk tier's group commit (``app.tiers.disk``): how many uploads each batch
+    of fsyncs covered, the fsyncs themselves and how long a batch took."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batch_size = Histogram(
+            "ec_disk_commit_batch_size",
+            "Entries (uploads and S3 fills) made durable by one group commit.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
+        self.fsyncs = Counter(
+            "ec_disk_commit_fsyncs",
+            "fsync/fdatasync calls of group commits: file (an entry's or a write-back "
+            "journal record's bytes) and directory (its new name), once per batch each.",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("file", "directory"):
+            self.fsyncs.labels(kind)
+        self.seconds = Histogram(
+            "ec_disk_commit_duration_seconds",
+            "Time one group commit took (syncs, renames, publishing).",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
 class UploadQueueMetrics:
     """The write-back queue's series; the gauges read the queue when scraped."""
 

@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     data_dir: Path = Path("./ec-data")
     disk_max_bytes: ByteSize = Field(default=10 * 1024**3, gt=0)
+    #: Group commit: how long the disk tier's committer may wait for other uploads in
+    #: flight to finish, so that one batch of fsyncs covers them all (0: never wait;
+    #: uploads that finish while a batch is being synced still share the next one).
+    disk_commit_delay: float = Field(default=0.0, ge=0, le=10)
     max_body_bytes: ByteSize = Field(default=1024**3, gt=0)
     log_level: LogLevel = LogLevel.INFO
 

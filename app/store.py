@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,7 +30,9 @@ from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
 from app.tiers.write_through import WriteThrough
 
-#: Received chunks are batched into writes of about this size (one thread hop each).
+#: Received chunks are batched into writes of about this size (one thread hop each:
+#: writing from the event loop measured no faster here, and a write can stall behind
+#: a file-system journal commit).
 WRITE_BATCH_BYTES = 1024 * 1024
 
 
@@ -102,6 +105,7 @@ class Store:
             self.read_through.stop()
         if self.s3 is not None:
             await self.s3.stop()
+        await anyio.to_thread.run_sync(self.disk.close)
 
     # -- reads --------------------------------------------------------------------
 
@@ -293,7 +297,7 @@ class Store:
         self._refuse_if_purging(key)  # a purge may have started while the body came in
         if self.s3 is None or self.disk.contains(key):
             # Disk only, or already here (and so in S3 or queued for it): disk decides.
-            return await anyio.to_thread.run_sync(pending.commit, crc, header)
+            return await _durable(pending.submit(crc, header))
         if self.uploads is not None:
             if self.uploads.has_room(pending.written):
                 return await self._commit_write_back(self.uploads, key, pending, crc, header)
@@ -320,10 +324,10 @@ class Store:
         """Journal the upload, then commit to disk (pinned until uploaded)."""
         item = uploads.reserve(key, pending.written, crc)
         try:
-            # Every PUT writes the (identical) record itself: whichever commits first,
-            # its record is durable before its entry is visible.
-            await anyio.to_thread.run_sync(uploads.write_record, item)
-            return await anyio.to_thread.run_sync(pending.commit, crc, header)
+            # Every PUT stages the (identical) record itself: whichever commits first,
+            # its record is durable before its entry is visible (same group commit).
+            record = uploads.stage_record(item)
+            return await _durable(pending.submit(crc, header, (record,)))
         finally:
             uploads.release(item, on_disk=self.disk.contains(key))
 
@@ -399,6 +403,14 @@ class Store:
             checks["s3"] = await self.s3.readiness()
         self.metrics.readiness(all(result == "ok" for result in checks.values()))
         return checks
+
+
+async def _durable(commit: Future[bool]) -> bool:
+    """Wait for a group commit. Shielded: a PUT whose client goes away meanwhile still
+    waits for the batch, so what it reserved is released only once the outcome is known."""
+    with anyio.CancelScope(shield=True):
+        created = await asyncio.wrap_future(commit)
+    return created
 
 
 def _check_writable(disk: DiskTier) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench import report, s3_paths, suite
+from bench import put_scale, report, s3_paths, suite
 from bench.services import Services, load_average
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,6 +38,7 @@ SECTIONS: dict[str, Callable[[Services, suite.Plan, Any], dict[str, Any]]] = {
     "startup": suite.startup,
     "eviction": suite.eviction,
     "s3": s3_paths.section,
+    "put_scale": put_scale.put_scale,
 }
 
 

@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import put_scale
+
 PLOTS = {
     "get": "get_throughput.png",
     "put": "put_throughput.png",
@@ -88,6 +90,7 @@ def markdown(results: dict[str, Any]) -> str:
                         f"{max(drains):.2f} s after each round (untimed)"
                     )
         out.append("")
+    out += put_scale.markdown(results)
     lookups = results.get("lookups")
     if lookups:
         out += [

@@ -20,6 +20,7 @@ import urllib3
 
 from app.checksum import crc32c
 from app.keys import EntryKey
+from bench import put_scale
 from bench.contenders import (
     Endpoints,
     Item,
@@ -763,7 +764,7 @@ def _ratio_row(
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = put_scale.targets(results)
     workloads = results.get("transfers", {}).get("workloads", {})
     for name, entry in workloads.items():
         get = entry["get"]

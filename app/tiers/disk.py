@@ -6,8 +6,14 @@ Layout (the name is a digest of the key because hashes may exceed NAME_MAX)::
     {data_dir}/tmp/        in-flight writes, removed at start-up
     {data_dir}/keys.log    "{digest} {model} {dtype} {hash}" per entry (namespaces)
 
-Writes go to ``tmp/`` and are renamed into ``objects/`` after ``fsync``: a crash
-never leaves a partial entry and readers never see a half-written file. Committed
+Writes go to ``tmp/``; a finished upload's file is ``fdatasync``ed at once, in
+parallel with the others, and then published by one committer thread in *group
+commits*: every upload handed over while a batch is being committed joins the next
+one, which renames them into ``objects/``, ``fsync``s each directory it touched once
+(one file-system journal commit for the batch) and only then publishes the entries and
+answers their waiters. A crash never leaves a partial entry, readers never see a
+half-written file, and a commit is answered only once its bytes and its directory
+entry are on stable storage. Committed
 files are immutable; each is served by ``mmap`` and its CRC32C re-verified whenever
 its (inode, size, mtime, ctime) changes, so bytes changed on disk are caught and the
 entry dropped. The index lives in memory and is rebuilt from file names at start-up.
@@ -32,14 +38,19 @@ import re
 import struct
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client import CollectorRegistry
 
 from app.checksum import crc32c, to_hex
 from app.errors import ECError, InsufficientStorage, InvalidKey, Unavailable
 from app.keys import EntryKey
+from app.metrics import DiskCommitMetrics
 from app.safetensors_format import (
     TensorHeader,
     parse_header,
@@ -85,6 +96,11 @@ class DiskStats:
     evicted_bytes: int
     corrupt_removed: int
     pinned: int
+    #: Group commits done, and the entries they made durable (their ratio: batch size).
+    commit_batches: int = 0
+    committed_entries: int = 0
+    #: Temp files being written (uploads and S3 fills not yet handed to the committer).
+    writes_in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,32 +189,198 @@ class PendingWrite:
             if views and n:
                 views[0] = views[0][n:]
 
-    def commit(self, crc: int, header: TensorHeader) -> bool:
-        """Publish the file; False (and nothing stored) when the key already exists."""
+    def submit(
+        self, crc: int, header: TensorHeader, staged: Sequence[StagedFile] = ()
+    ) -> Future[bool]:
+        """Hand the file to the group commit; the future says whether it was published
+        (False, nothing stored: the key already exists) once it is durable, or raises.
+        ``staged`` files (a write-back journal record) are made durable and renamed
+        into place, in the same batch, before the entry is published."""
         self.done = True
         self.tier._unreserve(self)
-        try:
-            if self.tier.contains(self.key):  # first writer already won: spare the fsync
-                os.close(self.fd)
-                self.path.unlink()
-                return False
-            os.fsync(self.fd)
-            os.close(self.fd)
-            return self.tier._publish(self, crc, header)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            raise
+        job = _Commit(self, crc, header, tuple(staged), Future())
+        self.tier._committer.submit(job)
+        return job.future
+
+    def commit(self, crc: int, header: TensorHeader) -> bool:
+        """Publish the file (blocking until its batch is durable); False (and nothing
+        stored) when the key already exists."""
+        return self.submit(crc, header).result()
 
     def abort(self) -> None:
         if self.done:
             return
         self.done = True
         self.tier._unreserve(self)
+        self.tier._committer.finished_writing()
         with contextlib.suppress(OSError):
             os.close(self.fd)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+@dataclass(eq=False)
+class StagedFile:
+    """A small file written under a temp name (``path``, still open as ``fd``) that the
+    group commit syncs and renames to ``final`` before the entry it belongs to is
+    published: the write-back journal record of that entry."""
+
+    fd: int
+    path: Path
+    final: Path
+    closed: bool = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+    def discard(self) -> None:
+        """Close and remove the temp file (a renamed one is the journal's to remove)."""
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+@dataclass(eq=False)
+class _Commit:
+    """One finished upload waiting for the group commit."""
+
+    pending: PendingWrite
+    crc: int
+    header: TensorHeader
+    staged: tuple[StagedFile, ...]
+    future: Future[bool]
+    final: Path | None = None
+    error: BaseException | None = None
+    fd_open: bool = True
+    #: The fdatasync of its files, started when it was handed over.
+    data: Future[None] | None = None
+
+    def sync_data(self, metrics: DiskCommitMetrics) -> None:
+        syncs = metrics.fsyncs
+        for staged in self.staged:
+            os.fdatasync(staged.fd)
+            syncs.labels("file").inc()
+        os.fdatasync(self.pending.fd)
+        syncs.labels("file").inc()
+
+    def close_fd(self) -> None:
+        if self.fd_open:
+            self.fd_open = False
+            with contextlib.suppress(OSError):
+                os.close(self.pending.fd)
+
+    def discard(self) -> None:
+        """Remove what this commit left behind (it failed or lost the race)."""
+        self.close_fd()
+        for staged in self.staged:
+            staged.discard()
+        for path in (self.pending.path, self.final):
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+
+#: Threads that fdatasync finished uploads' files in parallel (the device works on
+#: several at once; one thread syncing them in turn halved the PUT rate measured).
+SYNC_THREADS = 16
+
+
+class _GroupCommitter:
+    """The thread that makes finished uploads durable, a batch at a time.
+
+    Each upload's bytes are fdatasync'ed as soon as it is handed over, in parallel
+    (``SYNC_THREADS``); its name is what is grouped: uploads handed over while a batch
+    is being committed wait for the next one, whose renames share one ``fsync`` of
+    each directory touched and so one file-system journal commit (the classic group
+    commit of databases). With
+    ``delay`` > 0 the thread also waits, up to ``delay`` seconds, while other temp
+    files are still being written (like PostgreSQL's ``commit_delay``).
+    """
+
+    def __init__(self, tier: DiskTier, delay: float) -> None:
+        self._tier = tier
+        self._delay = delay
+        self._cond = threading.Condition()
+        self._queue: list[_Commit] = []
+        self._writing = 0  # temp files begun and neither submitted nor aborted
+        self._thread: threading.Thread | None = None
+        self._syncer: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @property
+    def writing(self) -> int:
+        return self._writing
+
+    def started_writing(self) -> None:
+        with self._cond:
+            self._writing += 1
+
+    def finished_writing(self) -> None:
+        with self._cond:
+            self._writing -= 1
+            self._cond.notify()
+
+    def submit(self, job: _Commit) -> None:
+        with self._cond:
+            if self._syncer is None and not self._closed:
+                self._syncer = ThreadPoolExecutor(SYNC_THREADS, "ec-disk-sync")
+            syncer = None if self._closed else self._syncer
+        # A loser of the first-writer race spares its fsyncs; once closed, the batch
+        # syncs (see _commit_batch).
+        if syncer is not None and not self._tier.contains(job.pending.key):
+            job.data = syncer.submit(job.sync_data, self._tier._commit_metrics)
+        with self._cond:
+            self._writing -= 1
+            if not self._closed:
+                self._queue.append(job)
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="ec-disk-commit", daemon=True
+                    )
+                    self._thread.start()
+                self._cond.notify()
+                return
+        self._tier._commit_batch([job])  # closed (shutting down): commit in this thread
+
+    def close(self) -> None:
+        """Commit what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        if self._syncer is not None:
+            self._syncer.shutdown()
+
+    def _next_batch(self) -> list[_Commit] | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            if self._delay > 0:
+                deadline = time.monotonic() + self._delay
+                while self._writing > 0 and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            batch, self._queue = self._queue, []
+            return batch
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._tier._commit_batch(batch)
+            except BaseException as exc:  # a bug: fail the waiters rather than hang them
+                log.exception("group commit failed")
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
 
 
 class DiskTier:
@@ -211,6 +393,9 @@ class DiskTier:
         root: Path,
         max_bytes: int,
         statvfs: Callable[[Path], os.statvfs_result] = os.statvfs,
+        *,
+        commit_delay: float = 0.0,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.root = root
         self.max_bytes = max_bytes
@@ -232,6 +417,14 @@ class DiskTier:
         self._keys_lock = threading.Lock()
         self._keys_fd: int | None = None
         self._keys_lines = 0
+        self._committer = _GroupCommitter(self, commit_delay)
+        self._commit_metrics = DiskCommitMetrics(registry or CollectorRegistry())
+        self._commit_batches = 0
+        self._committed_entries = 0
+
+    def close(self) -> None:
+        """Finish the commits handed over and stop the committer thread."""
+        self._committer.close()
 
     # -- start-up -----------------------------------------------------------------
 
@@ -357,6 +550,7 @@ class DiskTier:
             self._unreserve(pending)
             raise
         pending.fd, pending.path = fd, Path(name)
+        self._committer.started_writing()
         return pending
 
     # -- space: never evict for a body that cannot fit -------------------------------
@@ -413,34 +607,138 @@ class DiskTier:
         self._unlink(victims)
         return bool(victims)
 
-    def _publish(self, pending: PendingWrite, crc: int, header: TensorHeader) -> bool:
-        digest = pending.key.digest
-        if pending.written > self.max_bytes:
-            raise InsufficientStorage(
-                f"entry of {pending.written} bytes is larger than the disk tier "
-                f"({self.max_bytes} bytes)"
-            )
-        final = self._objects / digest[:2] / f"{digest}.{to_hex(crc)}.safetensors"
-        final.parent.mkdir(exist_ok=True)
-        self._log_key(pending.key)  # before the rename: a visible entry has its key
+    def _commit_batch(self, batch: list[_Commit]) -> None:
+        """Make a batch of finished uploads durable, then publish them (committer
+        thread). Order: (1) wait for the ``fdatasync`` of every temp file and journal
+        record, started in parallel when each was handed over; (2) rename
+        the records, ``fsync`` their directory once; (3) append the key lines, rename the
+        entries into ``objects/``, ``fsync`` each directory touched once; (4) publish
+        the entries in the index and answer. A failure fails only the commits it
+        touched, and what they left is removed; nothing is visible before step 4."""
+        started = time.perf_counter()
+        jobs: list[_Commit] = []
+        claimed: set[str] = set()
+        for job in batch:
+            if job.data is not None:  # never close a file while it is being synced
+                with contextlib.suppress(OSError):
+                    job.data.result()
+        for job in batch:
+            if not job.future.set_running_or_notify_cancel():
+                job.discard()  # its PUT went away before the batch started
+                continue
+            pending = job.pending
+            digest = pending.key.digest
+            if digest in claimed or self.contains(pending.key):
+                job.discard()  # first writer wins: spare the fsyncs
+                job.future.set_result(False)
+                continue
+            if pending.written > self.max_bytes:
+                job.error = InsufficientStorage(
+                    f"entry of {pending.written} bytes is larger than the disk tier "
+                    f"({self.max_bytes} bytes)"
+                )
+            claimed.add(digest)
+            jobs.append(job)
+        # (1) the bytes: synced in parallel since each was handed over (see submit),
+        # here when that was skipped (the key existed then, and is gone since)
+        for job in jobs:
+            if job.error is None:
+                try:
+                    if job.data is not None:
+                        job.data.result()
+                    else:
+                        job.sync_data(self._commit_metrics)
+                except OSError as exc:
+                    job.error = exc
+            job.close_fd()
+            for staged in job.staged:
+                staged.close()
+        # (2) the journal records, durable before their entries are visible
+        record_dirs: dict[Path, list[_Commit]] = {}
+        for job in jobs:
+            if job.error is None:
+                try:
+                    for staged in job.staged:
+                        os.rename(staged.path, staged.final)
+                        record_dirs.setdefault(staged.final.parent, []).append(job)
+                except OSError as exc:
+                    job.error = exc
+        self._sync_dirs(record_dirs)
+        # (3) the entries' names
+        live = [job for job in jobs if job.error is None]
+        entry_dirs: dict[Path, list[_Commit]] = {}
+        compact = False
+        if live:
+            try:
+                compact = self._log_keys([job.pending.key for job in live])
+            except OSError as exc:
+                for job in live:
+                    job.error = exc
+                live = []
+        for job in live:
+            digest = job.pending.key.digest
+            final = self._objects / digest[:2] / f"{digest}.{to_hex(job.crc)}.safetensors"
+            try:
+                if not final.parent.is_dir():
+                    final.parent.mkdir(exist_ok=True)
+                    # A new shard directory is itself a new name in objects/.
+                    entry_dirs.setdefault(self._objects, []).append(job)
+                os.rename(job.pending.path, final)
+            except OSError as exc:
+                job.error = exc
+                continue
+            job.final = final
+            entry_dirs.setdefault(final.parent, []).append(job)
+        self._sync_dirs(entry_dirs)
+        # (4) publish
+        published: list[_Commit] = []
         with self._lock:
-            if digest in self._index:
-                created = False
-            else:
-                os.rename(pending.path, final)
-                signature = _signature(os.stat(final))
-                entry = _Entry(final, pending.written, crc, signature, header, pending.key)
-                self._index[digest] = entry
-                self._track_locked(digest, entry)
+            for job in jobs:
+                if job.error is not None or job.final is None:
+                    continue
+                pending = job.pending
+                try:
+                    signature = _signature(os.stat(job.final))
+                except OSError as exc:
+                    job.error = exc
+                    continue
+                entry = _Entry(
+                    job.final, pending.written, job.crc, signature, job.header, pending.key
+                )
+                self._index[pending.key.digest] = entry
+                self._track_locked(pending.key.digest, entry)
                 self._used += pending.written
-                created = True
-            victims = self._evict_locked() if created else []
-        if not created:
-            pending.path.unlink()
-            return False
-        fsync_dir(final.parent)
+                published.append(job)
+            victims = self._evict_locked() if published else []
+            if jobs:
+                self._commit_batches += 1
+                self._committed_entries += len(published)
         self._unlink(victims)
-        return True
+        if compact:
+            self._compact_keys_log()
+        if jobs:
+            self._commit_metrics.batch_size.observe(len(jobs))
+            self._commit_metrics.seconds.observe(time.perf_counter() - started)
+        for job in jobs:
+            if job.error is not None:
+                job.discard()
+                job.future.set_exception(job.error)
+            else:
+                job.future.set_result(True)
+
+    def _sync_dirs(self, dirs: dict[Path, list[_Commit]]) -> None:
+        """``fsync`` each directory once; a failure fails the commits that renamed
+        into it."""
+        for directory, jobs in dirs.items():
+            if all(job.error is not None for job in jobs):
+                continue
+            try:
+                fsync_dir(directory)
+                self._commit_metrics.fsyncs.labels("directory").inc()
+            except OSError as exc:
+                for job in jobs:
+                    if job.error is None:
+                        job.error = exc
 
     def delete(self, key: EntryKey) -> bool:
         with self._lock:
@@ -481,6 +779,9 @@ class DiskTier:
                 evicted_bytes=self._evicted_bytes,
                 corrupt_removed=self._corrupt_removed,
                 pinned=len(self._pinned),
+                commit_batches=self._commit_batches,
+                committed_entries=self._committed_entries,
+                writes_in_flight=self._committer.writing,
             )
 
     def _evict_locked(self, until_freed: int | None = None) -> list[_Entry]:
@@ -615,17 +916,19 @@ class DiskTier:
     def _key_line(key: EntryKey) -> bytes:
         return f"{key.digest} {key.model} {key.dtype} {key.hash}\n".encode()
 
-    def _log_key(self, key: EntryKey) -> None:
+    def _log_keys(self, keys: Sequence[EntryKey]) -> bool:
+        """Append the keys' lines (not synced: a line lost to a power cut leaves its
+        entry unattributed, still served, and removed by any purge). True when the log
+        should be compacted — once these entries are in the index, or their lines,
+        not yet backed by an entry, would be dropped."""
         with self._keys_lock:
             if self._keys_fd is None:
                 self._keys_fd = os.open(
                     self.root / KEYS_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
                 )
-            os.write(self._keys_fd, self._key_line(key))
-            self._keys_lines += 1
-            grown = self._keys_lines > 2 * len(self._index) + KEYS_LOG_SLACK
-        if grown:
-            self._compact_keys_log()
+            os.write(self._keys_fd, b"".join(map(self._key_line, keys)))
+            self._keys_lines += len(keys)
+            return self._keys_lines > 2 * len(self._index) + KEYS_LOG_SLACK
 
     def _compact_keys_log(self) -> None:
         """Rewrite keys.log with the lines of the entries present (atomically)."""

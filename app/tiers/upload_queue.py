@@ -5,8 +5,9 @@ upload to S3 happens later, from this queue. Durability comes from a journal dir
 
     {data_dir}/upload-queue/{key digest}.json     one small record per pending entry
 
-A record is written atomically (temp file, ``fsync``, ``rename``, ``fsync`` of the
-directory) *before* the entry is committed to disk, and removed only after S3 has the
+A record is written atomically (temp file, ``fdatasync``, ``rename``, ``fsync`` of the
+directory) *before* the entry is published on disk — in the disk tier's group commit of
+that entry, see :meth:`UploadQueue.stage_record` — and removed only after S3 has the
 object, so neither a restart nor ``kill -9`` loses an upload: the directory is rescanned
 at start-up. A record whose disk entry is missing (the PUT never completed, or the entry
 was deleted) is dropped. Every pending entry is pinned in the disk tier, so it is never
@@ -38,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from app.errors import InvalidKey
 from app.keys import EntryKey
 from app.metrics import UploadQueueMetrics
-from app.tiers.disk import DiskTier, fsync_dir
+from app.tiers.disk import DiskTier, StagedFile, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +225,8 @@ class UploadQueue:
     def reserve(self, key: EntryKey, size: int, crc32c: int) -> PendingUpload:
         """Register a PUT of ``key`` that is about to commit (event loop): the pending
         record, new or shared with a concurrent PUT of the same key, pinned on disk. Then
-        :meth:`write_record` (in a thread) *before* the disk commit, and :meth:`release`
-        after it, whatever happened."""
+        :meth:`stage_record`, handed to the disk commit (which makes it durable first),
+        and :meth:`release` after it, whatever happened."""
         item = self._items.get(key.digest)
         if item is None:
             # Not due until released with the entry on disk.
@@ -236,6 +237,23 @@ class UploadQueue:
             self._update_idle()
         item.writers += 1
         return item
+
+    def stage_record(self, item: PendingUpload) -> StagedFile:
+        """Write the record under a temp name (a few hundred bytes, page cache only);
+        the disk tier's group commit syncs and renames it, in the batch of the entry
+        and before the entry is published."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"{item.key.digest}.json"
+        tmp = self.directory / f".{item.key.digest}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, json.dumps(item.record()).encode("utf-8"))
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        return StagedFile(fd, tmp, final)
 
     def write_record(self, item: PendingUpload) -> None:
         """Journal the record durably (blocking)."""

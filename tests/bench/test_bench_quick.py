@@ -41,6 +41,13 @@ SCALE_CONTENDERS = {
     "ec-cache AsyncClient, asyncio tasks",
     "ec-cache urllib3, threads",
 }
+PUT_SCALE_CONTENDERS = {
+    "nginx DAV PUT",
+    "ec-cache SDK PUT, disk only",
+    "ec-cache urllib3 PUT, disk only",
+    "ec-cache SDK PUT, write-back",
+    "ec-cache urllib3 PUT, write-back",
+}
 PLOTS = ["get_throughput.png", "put_throughput.png", "scale.png", "lookups.png", "eviction.png"]
 
 
@@ -102,6 +109,17 @@ def test_quick_run_writes_every_contender(quick_run: Path) -> None:
             assert set(level) == SCALE_CONTENDERS
             for row in level.values():
                 assert _number(row["mb_per_s_median"]) and _number(row["p99_ms"])
+    put_scale = results["put_scale"]
+    assert set(put_scale["levels"]) == {"1", "4", "16"}
+    for level in put_scale["levels"].values():
+        assert set(level) == PUT_SCALE_CONTENDERS
+        for row in level.values():
+            assert _number(row["mb_per_s_median"]) and row["mb_per_s_median"] > 0
+            assert _number(row["server_cpu_s_per_gb"])
+    # the ec-cache servers report their group commits: every stored entry in a batch
+    for label in PUT_SCALE_CONTENDERS - {"nginx DAV PUT"}:
+        runs = put_scale["levels"]["16"][label]["runs"]
+        assert all(run["commit"]["ec_disk_commit_batch_size_sum"] >= 1 for run in runs), label
     memory = results["memory"]
     assert memory["clients"] == 64 and memory["peak_during"]["VmHWM"] > 0
     assert "RssAnon" in memory["peak_during"]

@@ -103,6 +103,11 @@ def test_keys_log_is_compacted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     tier.rebuild()
     for i in range(40):
         _put(tier, "m", "uint8", f"k{i:02d}")
+        # every entry present has its line (a compaction a commit triggers keeps the
+        # line of that commit: else the entry is unattributed after a restart)
+        logged = {line.split(" ")[0] for line in (tmp_path / "keys.log").read_text().splitlines()}
+        present = {p.name.split(".")[0] for p in (tmp_path / "objects").rglob("*.safetensors")}
+        assert present <= logged, i
     lines = (tmp_path / "keys.log").read_text().splitlines()
     assert len(lines) <= 2 * 2 + 4 + 1
     again = DiskTier(tmp_path, 2 * size)
