@@ -7,8 +7,10 @@ One ``python -m app`` on 127.0.0.1 holds one entry per size. For each concurrenc
 ``clients`` threads sharing one ``ec_cache.Client`` (``get`` into a fresh CPU tensor,
 CRC32C checked), ``clients`` asyncio tasks sharing one ``ec_cache.AsyncClient``, and
 ``clients`` threads sharing one ``urllib3.PoolManager`` (``.data``), in rounds whose
-order alternates. Prints the median aggregate MB/s of each and the SDK's ratio to
-urllib3. A focused check of issue 13's target, not part of ``make bench``.
+order alternates. Prints the median aggregate MB/s of each, the SDK's ratio to
+urllib3, and the client process's CPU time per GET (all its threads; the server is
+another process): on a loaded machine the CPU figures move less than the rates. A
+focused check of issue 13's target, not part of ``make bench``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,20 +86,27 @@ def main() -> int:
                 for clients in levels:
                     per_client = max(2, args.requests // clients)
                     rates: dict[str, list[float]] = {label: [] for label in contenders}
+                    cpu: dict[str, list[float]] = {label: [] for label in contenders}
                     for run in contenders.values():
                         run(clients, 1)  # connections
                     for r in range(args.rounds):
                         order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
                         for label in order:
-                            wall, _, moved = contenders[label](clients, per_client)
+                            start = time.process_time()
+                            wall, seconds, moved = contenders[label](clients, per_client)
+                            cpu[label].append((time.process_time() - start) / len(seconds))
                             rates[label].append(moved / wall / 1e6)
                     med = {label: statistics.median(v) for label, v in rates.items()}
-                    line = f"{size} MB, {clients:2d} clients: urllib3 {med['urllib3']:.0f} MB/s"
+                    ms = {label: statistics.median(v) * 1e3 for label, v in cpu.items()}
+                    line = (
+                        f"{size} MB, {clients:2d} clients: urllib3 {med['urllib3']:.0f} MB/s "
+                        f"[{ms['urllib3']:.2f} ms CPU/GET]"
+                    )
                     for label in contenders:
                         if label != "urllib3":
                             line += (
                                 f", {label} {med[label]:.0f} MB/s "
-                                f"({med[label] / med['urllib3']:.2f}x)"
+                                f"({med[label] / med['urllib3']:.2f}x) [{ms[label]:.2f} ms]"
                             )
                     print(line, flush=True)
         finally:
