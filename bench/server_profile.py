@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +36,7 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("uvicorn: write the response", ("RequestResponseCycle.send",)),
     ("app (everything inside the ASGI call)", ("ECApp.__call__",)),
     ("edge: admission, request id, counting", ("EdgeMiddleware.__call__",)),
+    ("entry routes (request, handler, response incl. its writes)", ("EntryRoutes.__call__",)),
     ("metrics", ("Metrics.request", "Metrics.lookup")),
     ("access log", ("Logger.handle", "Logger.makeRecord")),
     ("routing (entry path match)", ("EntryRoutes.match",)),
@@ -67,10 +70,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.server_profile", description=__doc__)
     parser.add_argument("--method", choices=("GET", "HEAD"), default="GET")
     parser.add_argument("--log-level", default="warning", help="EC_LOG_LEVEL of the server")
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     args = parser.parse_args()
-    py_spy = shutil.which("py-spy")
+    # pip puts it next to the interpreter, which need not be on PATH (a venv not activated)
+    py_spy = shutil.which(
+        "py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
     if py_spy is None:
         parser.error("py-spy is not installed (pip install py-spy)")
     with tempfile.TemporaryDirectory(prefix="ec-profile-") as tmp:
