@@ -239,6 +239,9 @@ schema = {
                 "uploadMinRate": opt_size("EC_UPLOAD_MIN_RATE (per second, 0: off)", zero=True),
                 "uploadRateGrace": pos_num("EC_UPLOAD_RATE_GRACE (seconds)", zero=True),
                 "uploadTimeout": pos_num("EC_UPLOAD_TIMEOUT (seconds)"),
+                "diskCommitDelay": pos_num(
+                    "EC_DISK_COMMIT_DELAY (seconds, <= 10)", maximum=10, zero=True
+                ),
                 "maxHeaderBytes": opt_size("EC_MAX_HEADER_BYTES"),
                 "maxConnections": opt_int("EC_MAX_CONNECTIONS", 1),
                 "keepaliveTimeout": pos_num("EC_KEEPALIVE_TIMEOUT (seconds)"),

@@ -186,6 +186,7 @@ EVERY_SETTING: dict[str, Any] = {
         "uploadMinRate": "512KiB",
         "uploadRateGrace": 5,
         "uploadTimeout": 600,
+        "diskCommitDelay": 0.002,
         "maxHeaderBytes": "16KiB",
         "maxConnections": 2048,
         "keepaliveTimeout": 4,
