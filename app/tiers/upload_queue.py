@@ -398,6 +398,9 @@ class UploadQueue:
             raise
         except Exception as exc:
             item.in_progress = False
+            if item.deleted:  # a DELETE or purge ran during the failed upload: nothing to retry
+                self._forget(item)
+                return
             delay = min(self.retry_max, self.retry_min * 2 ** min(item.attempts - 1, 30))
             delay *= random.uniform(0.5, 1.0)
             item.next_attempt = time.monotonic() + delay

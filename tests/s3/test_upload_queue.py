@@ -172,6 +172,47 @@ async def test_bounds_and_discard(tmp_path: Path, disk: DiskTier) -> None:
     assert list((tmp_path / "upload-queue").iterdir()) == []
 
 
+async def test_discard_during_a_failing_upload_is_not_retried(
+    tmp_path: Path, disk: DiskTier
+) -> None:
+    started, fail = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def upload(item: PendingUpload) -> None:
+        nonlocal calls
+        calls += 1
+        started.set()
+        await fail.wait()
+        raise ConnectionError("S3 down")
+
+    s3 = FakeS3()
+    queue = UploadQueue(
+        tmp_path,
+        disk,
+        upload,
+        s3.delete,
+        max_entries=10,
+        max_bytes=1 << 20,
+        workers=1,
+        retry_min=0.01,
+        retry_max=0.01,
+        registry=CollectorRegistry(),
+    )
+    await queue.start()
+    try:
+        put_pending(queue, disk, KEY, body((4, 4)))
+        await asyncio.wait_for(started.wait(), 5)
+        assert queue.discard(KEY) is True  # the upload is running: it is told, not cut
+        fail.set()
+        assert await queue.wait_idle(5)  # the failed attempt forgets it: no retry
+        await asyncio.sleep(0.1)
+    finally:
+        await queue.stop()
+    assert calls == 1 and s3.deleted == []
+    assert disk.stats().pinned == 0
+    assert list((tmp_path / "upload-queue").iterdir()) == []
+
+
 async def test_concurrent_puts_of_one_key_share_the_record(tmp_path: Path, disk: DiskTier) -> None:
     queue = make_queue(tmp_path, disk, FakeS3())
     first = queue.reserve(KEY, 100, 0)
