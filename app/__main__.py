@@ -11,6 +11,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from app.allocator import keep_freed_memory
 from app.connections import ConnectionLimits, guarded_protocol
 from app.logs import logging_config
 from app.main import ConfigurationError, create_app
@@ -66,6 +67,7 @@ def main() -> None:
         flush=True,
     )
     _raise_open_files_limit(settings.max_connections)
+    keep_freed_memory()
     uvicorn.run(app, **server_options(settings, app.state.metrics.registry, log_config))
 
 
