@@ -1,9 +1,15 @@
-"""A pool of reusable host staging buffers.
+"""Pools of reusable host memory: staging buffers, and the memory of returned tensors.
 
-Freshly allocated memory is slow to touch for the first time on many VMs (a few
-hundred MB/s), so staging buffers are kept and reused. When CUDA is available they are
-page-locked (pinned) so that host<->device copies can run asynchronously
-(``non_blocking=True``) at full PCIe speed.
+Freshly allocated memory is slow to touch for the first time (every 4 KiB page faults,
+and with several threads the faults and the allocator's returns to the kernel contend
+for the process's address space: 16 threads each receiving 4.7 MB into fresh tensors
+spent 5-9 ms of system time per GET, 1.0-2.2 with reused memory). So memory is kept
+and reused:
+
+* staging buffers, page-locked (pinned) when CUDA is available so that host<->device
+  copies can run asynchronously (``non_blocking=True``) at full PCIe speed;
+* the memory of the CPU tensors a GET returns (:meth:`BufferPool.tensor`): it goes back
+  to the pool when the caller has dropped the tensor and every view of it.
 
 A buffer leased for an asynchronous device copy carries a CUDA event; the pool waits
 on that event before the buffer is handed out again, so a returned GPU tensor never
@@ -12,7 +18,10 @@ races with the next request that reuses the memory.
 
 from __future__ import annotations
 
+import ctypes
+import math
 import threading
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -25,9 +34,19 @@ __all__ = ["BufferPool", "PooledBuffer"]
 _MIN_CAPACITY = 1 << 20
 
 
-def _capacity_for(nbytes: int) -> int:
-    """Size class: the next power of two, at least 1 MiB."""
-    return max(_MIN_CAPACITY, 1 << max(0, nbytes - 1).bit_length())
+def _capacity_for(nbytes: int, steps: int) -> int:
+    """Size class: ``nbytes`` rounded up to one of ``steps`` (a power of two) sizes
+    between consecutive powers of two, at least 1 MiB. One step wastes up to half of a
+    buffer and reuses it for any size up to it; 16 steps waste at most 1/16.
+
+    >>> _capacity_for(4_718_592, 1), _capacity_for(4_718_592, 16), _capacity_for(10, 16)
+    (8388608, 4718592, 1048576)
+    """
+    if nbytes <= _MIN_CAPACITY:
+        return _MIN_CAPACITY
+    top = 1 << (nbytes - 1).bit_length()
+    step = max(1, top // (2 * steps))
+    return -(-nbytes // step) * step
 
 
 class PooledBuffer:
@@ -75,7 +94,8 @@ class PooledBuffer:
 
 
 class BufferPool:
-    """Thread-safe pool of staging buffers, bounded by ``max_bytes`` kept idle.
+    """Thread-safe pool of host buffers, bounded by ``max_bytes`` kept idle; ``steps``
+    size classes per power of two (see :func:`_capacity_for`).
 
     >>> pool = BufferPool(max_bytes=8 << 20, pinned=False)
     >>> with pool.acquire(3_000_000) as buf:
@@ -85,10 +105,15 @@ class BufferPool:
     (4194304, 1)
     """
 
-    def __init__(self, max_bytes: int = 512 << 20, *, pinned: bool | None = None) -> None:
+    def __init__(
+        self, max_bytes: int = 512 << 20, *, pinned: bool | None = None, steps: int = 1
+    ) -> None:
         self.max_bytes = max_bytes
         self._pinned = pinned
-        self._lock = threading.Lock()
+        self._steps = steps
+        # Reentrant: a tensor's memory can come back from a garbage collection that
+        # runs while this thread holds the lock.
+        self._lock = threading.RLock()
         self._idle: dict[int, list[PooledBuffer]] = {}
         self._idle_bytes = 0
         self._allocated = 0
@@ -103,7 +128,7 @@ class BufferPool:
 
     def acquire(self, nbytes: int) -> PooledBuffer:
         """Lease a buffer of at least ``nbytes`` (reused when one is idle)."""
-        capacity = _capacity_for(nbytes)
+        capacity = _capacity_for(nbytes, self._steps)
         buf: PooledBuffer | None = None
         with self._lock:
             idle = self._idle.get(capacity)
@@ -120,6 +145,23 @@ class BufferPool:
             buf._pool = self
         buf.wait()
         return buf
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous CPU tensor of ``shape`` and ``dtype`` (contents undefined); from
+        1 MiB on, on a pooled buffer, which comes back to the pool once nothing refers
+        to the tensor, to a view of it or to its storage.
+
+        ``torch.frombuffer`` keeps the buffer's exporter (a ctypes array made for this
+        tensor alone) alive as long as the storage lives; a finalizer on that exporter
+        returns the buffer.
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < _MIN_CAPACITY:  # the allocator's heap reuses small blocks well
+            return torch.empty(shape, dtype=dtype)
+        buf = self.acquire(nbytes)
+        exporter = (ctypes.c_ubyte * nbytes).from_address(buf.tensor.data_ptr())
+        weakref.finalize(exporter, buf.release).atexit = False
+        return torch.frombuffer(exporter, dtype=dtype).view(shape)
 
     def _give_back(self, buf: PooledBuffer) -> None:
         with self._lock:

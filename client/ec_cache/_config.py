@@ -96,7 +96,8 @@ class Limits:
     * ``keepalive_expiry``: seconds an idle connection is kept (below uvicorn's 5 s
       default so that the client drops it before the server does).
     * ``buffer_pool_bytes``: bytes of staging buffers (pinned when CUDA is present)
-      kept for reuse between requests.
+      kept for reuse between requests, and as many of memory freed by the CPU
+      tensors ``get`` returned (from 1 MiB), which the next ``get`` reuses.
     * ``max_body_bytes``: largest entry a ``get`` accepts (a larger one, or a header
       describing one, is an ``IntegrityError`` before any memory is allocated).
     """

@@ -95,6 +95,7 @@ class ClientBase:
         self.raise_on_unavailable = raise_on_unavailable
         self.verify = verify
         self.pool = BufferPool(self.limits.buffer_pool_bytes)
+        self.results = BufferPool(self.limits.buffer_pool_bytes, pinned=False, steps=16)
 
     @property
     def own_transport(self) -> bool:
@@ -157,6 +158,7 @@ class ClientBase:
             device=device,
             out=out,
             pool=self.pool,
+            results=self.results,
             verify=self.verify,
             max_bytes=self.limits.max_body_bytes,
         )
@@ -381,9 +383,10 @@ class Receiver:
     header, then fill :meth:`plan`'s target, then call :meth:`finish`.
 
     The data goes straight into the destination when that is a contiguous CPU tensor
-    (a fresh one, or ``out``); otherwise into a pooled staging buffer (pinned when CUDA
-    is available) followed by one copy to the device / into ``out``. The returned
-    tensor never aliases a pooled buffer.
+    (``out``, or a new one on memory from the ``results`` pool, which gets it back once
+    the caller drops the tensor); otherwise into a pooled staging buffer (pinned when
+    CUDA is available) followed by one copy to the device / into ``out``. The returned
+    tensor never aliases a staging buffer.
     """
 
     def __init__(
@@ -395,6 +398,7 @@ class Receiver:
         device: torch.device | str | None,
         out: torch.Tensor | None,
         pool: BufferPool,
+        results: BufferPool,
         verify: bool,
         max_bytes: int,
     ) -> None:
@@ -410,6 +414,7 @@ class Receiver:
         else:
             self.device = torch.device(device)
         self.pool = pool
+        self.results = results
         self.verify = verify
         self.crc = Crc32c()
         self.meta: TensorMeta | None = None
@@ -460,7 +465,7 @@ class Receiver:
                 self._result = out
                 return tensor_memoryview(out)
         elif self.device.type == "cpu":
-            self._result = torch.empty(meta.shape, dtype=torch_dtype)
+            self._result = self.results.tensor(meta.shape, torch_dtype)
             return tensor_memoryview(self._result)
         self._lease = self.pool.acquire(meta.nbytes)
         return self._lease.view(meta.nbytes)

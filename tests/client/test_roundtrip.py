@@ -128,6 +128,30 @@ def test_returned_tensors_are_independent(server: ServerProcess, client_factory:
     assert torch.equal(b, torch.ones(1000, 100))
 
 
+def test_freed_results_are_reused_and_held_ones_are_not(
+    server: ServerProcess, client_factory: Factory
+) -> None:
+    """A 4 MB result's memory goes back to the client when the caller drops it (the
+    next GET reuses it instead of faulting in fresh pages), never while a view of it
+    lives."""
+    c = client_factory(server.url, model=MODEL, dtype=torch.float32)
+    h1, h2 = key(), key()
+    t1, t2 = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    c.put(h1, t1)
+    c.put(h2, t2)
+    first = c.get(h1)
+    row = first[7]
+    ptr = first.data_ptr()
+    del first
+    second = c.get(h2)  # ``row`` still holds the first result's memory
+    assert second.data_ptr() != ptr
+    assert torch.equal(row, t1[7]) and torch.equal(second, t2)
+    del row
+    third = c.get(h2)
+    assert third.data_ptr() == ptr and torch.equal(third, t2)
+    assert torch.equal(second, t2)
+
+
 def test_exists_many_and_chunking(server: ServerProcess, client_factory: Factory) -> None:
     c = client_factory(server.url, model=MODEL, dtype=torch.int8)
     stored = [key() for _ in range(3)]

@@ -244,7 +244,64 @@ def test_pool_view_bounds_and_threads() -> None:
         t.start()
     for t in threads:
         t.join()
-    assert pool.stats()["allocated"] <= 4
+    assert pool.stats()["allocated"] <= 1 + 4  # the 1 MiB buffer, one 4 MiB per thread
+
+
+def test_pool_size_classes() -> None:
+    coarse = BufferPool(pinned=False)
+    fine = BufferPool(pinned=False, steps=16)
+    assert coarse.acquire(4_718_592).capacity == 8 << 20
+    assert fine.acquire(4_718_592).capacity == 4_718_592  # a multiple of 256 KiB
+    assert fine.acquire(4_718_593).capacity == 4_718_592 + (256 << 10)
+    assert fine.acquire(66_846_720 + 1).capacity <= (66_846_720 + 1) * 17 // 16
+
+
+def test_pool_tensor_memory_comes_back_when_the_last_view_is_freed() -> None:
+    pool = BufferPool(max_bytes=64 << 20, pinned=False, steps=16)
+    first = pool.tensor((576, 4096), torch.bfloat16)
+    assert first.shape == (576, 4096) and first.dtype == torch.bfloat16
+    assert first.is_contiguous() and not first.is_pinned()
+    first.fill_(1.5)
+    ptr = first.data_ptr()
+    view = first[10:20]
+    array = first.view(torch.int16).numpy()  # numpy shares the storage too
+    del first
+    # still referred to: a new tensor must not get the same memory
+    other = pool.tensor((576, 4096), torch.bfloat16)
+    assert other.data_ptr() != ptr and pool.stats()["allocated"] == 2
+    other.fill_(-3.0)
+    assert torch.all(view == 1.5)
+    del view
+    assert pool.stats()["idle_buffers"] == 0
+    del array
+    assert pool.stats()["idle_buffers"] == 1
+    again = pool.tensor((576, 4096), torch.bfloat16)
+    assert again.data_ptr() == ptr and pool.stats()["reused"] == 1
+    small = pool.tensor((64, 1024), torch.bfloat16)  # 128 KiB: a plain allocation
+    assert small.shape == (64, 1024) and pool.stats()["allocated"] == 2
+
+
+def test_pool_tensors_from_many_threads_never_share_memory() -> None:
+    pool = BufferPool(max_bytes=64 << 20, pinned=False, steps=16)
+    errors: list[str] = []
+
+    def worker(value: int) -> None:
+        for _ in range(40):
+            t = pool.tensor((1 << 18,), torch.float32)  # 1 MiB
+            t.fill_(value)
+            kept = t[::2]
+            del t
+            if not torch.all(kept == value):
+                errors.append(f"thread {value} saw another thread's data")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    # each thread holds at most two (the last view lives on while the next is made)
+    assert pool.stats()["allocated"] <= 16 and pool.stats()["idle_buffers"] >= 1
 
 
 def test_pool_is_pinned_only_with_cuda() -> None:
@@ -291,6 +348,7 @@ def _rx(resp: httpx.Response, pool: BufferPool, **kw: Any) -> Receiver:
         device=None,
         out=None,
         pool=pool,
+        results=BufferPool(pinned=False, steps=16),
         verify=True,
         max_bytes=Limits().max_body_bytes,
     )

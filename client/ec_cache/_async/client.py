@@ -287,6 +287,7 @@ class AsyncClient(ClientBase):
         await self._mapper.aclose()
         await self._http.aclose()
         self.pool.clear()
+        self.results.clear()
 
     async def __aenter__(self) -> AsyncClient:
         return self

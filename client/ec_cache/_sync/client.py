@@ -288,6 +288,7 @@ class Client(ClientBase):
         self._mapper.close()
         self._http.close()
         self.pool.clear()
+        self.results.clear()
 
     def __enter__(self) -> Client:
         return self
