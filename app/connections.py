@@ -19,7 +19,14 @@ its own (loop timers only):
 * a send deadline (``EC_SEND_TIMEOUT``): while response bytes wait in the write buffer,
   the client must accept some within this long, else the connection is dropped (reset).
   A reader that stops reading a large GET then frees its download slot, its task and
-  the mmap held by the unsent bytes.
+  the mmap held by the unsent bytes;
+* a lingering close, as nginx's ``lingering_close``: a PUT answered before its body was
+  read (412 for ``If-None-Match: *``, 413, 401, ...) is answered with ``Connection:
+  close``, but closing a socket with unread bytes makes the kernel send a reset, which
+  destroys the answer still on its way to a client that keeps sending its body (one
+  that gave up waiting for ``100 Continue``, or never asked). So the server shuts down
+  its sending side only and discards what still arrives, until the client closes, is
+  silent for ``LINGER_IDLE`` s or ``LINGER_TOTAL`` s have passed.
 
 Drops are counted in ``ec_connections_dropped_total{reason}``, open connections in
 ``ec_connections_open``.
@@ -35,7 +42,7 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from app.metrics import ConnectionMetrics
@@ -43,6 +50,11 @@ from app.protocol import JSONErrorsHttpToolsProtocol
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: nginx's lingering_timeout and lingering_time: how long a connection closed with a
+#: request body unread keeps draining it (see the module docstring).
+LINGER_IDLE = 5.0
+LINGER_TOTAL = 30.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,8 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
         self._send_timer: asyncio.TimerHandle | None = None
         self._send_left = 0
         self._send_progress = 0.0
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_until = 0.0
 
     # -- the bound and the idle deadline -------------------------------------------
 
@@ -130,10 +144,10 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._send_timer):
+        for timer in (self._head_timer, self._send_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._send_timer = None
+        self._head_timer = self._send_timer = self._linger_timer = None
         if self._refused:
             return
         if self._counted:
@@ -157,6 +171,12 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._linger_timer is not None:  # the rest of an unread body: discarded
+            self._linger_timer.cancel()
+            self._linger_timer = self.loop.call_at(
+                min(self.loop.time() + LINGER_IDLE, self._linger_until), self.transport.close
+            )
+            return
         if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
             self._head_timer = self.loop.call_later(
                 self.limits.header_timeout, self._head_timed_out
@@ -172,6 +192,8 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
         super().on_headers_complete()
         if self.scope.get("method") == "PUT":  # upload bodies: app.entries' deadlines
             self._cancel_head_timer()
+            cycle = self.cycle
+            cycle.transport = _LingeringTransport(self.transport, self, cycle)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -199,14 +221,30 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
         )
         self.transport.close()
 
+    # -- the lingering close ------------------------------------------------------
+
+    def close_after_response(self, cycle: RequestResponseCycle) -> None:
+        """``transport.close()`` of an upload's response cycle: close, or linger while
+        the request body is still arriving (see the module docstring)."""
+        transport = self.transport
+        if not cycle.more_body or transport.is_closing() or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()  # after the answer still buffered
+        self.flow.resume_reading()
+        self._linger_until = self.loop.time() + LINGER_TOTAL
+        self._linger_timer = self.loop.call_later(LINGER_IDLE, transport.close)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._linger_timer is not None:
+            self._unset_keepalive_if_required()  # the linger deadlines apply instead
+        self._watch_send()
+
     # -- the send deadline --------------------------------------------------------
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        self._watch_send()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
         self._watch_send()
 
     def _watch_send(self) -> None:
@@ -245,6 +283,28 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
             self.transport.abort()
             return
         self._send_timer = self.loop.call_later(self._send_tick, self._check_send)
+
+
+class _LingeringTransport:
+    """The transport as an upload's response cycle sees it: its ``close`` may linger."""
+
+    __slots__ = ("_cycle", "_protocol", "_transport")
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        protocol: GuardedHttpProtocol,
+        cycle: RequestResponseCycle,
+    ) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._cycle = cycle
+
+    def close(self) -> None:
+        self._protocol.close_after_response(self._cycle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def guarded_protocol(

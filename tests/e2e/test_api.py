@@ -418,3 +418,25 @@ def test_eviction_over_http(tmp_path: Path) -> None:
         response = httpx.put(f"{srv.url}/ec/m/uint8/huge", content=too_big)
         assert response.status_code == 507
         assert response.json()["error"] == "insufficient_storage"
+
+
+def test_early_answer_survives_a_client_that_keeps_sending(server: ServerProcess) -> None:
+    """A client that gave up waiting for ``100 Continue`` (or never asked) sends its
+    body after the server has answered early: the server must drain it rather than
+    close with unread bytes, whose reset would destroy the answer in flight."""
+    data = body((4 << 20,), "U8", 1)
+    assert rawhttp.request(server.port, "PUT", "/ec/m/uint8/early", body=data).status == 201
+    head = (
+        f"PUT /ec/m/uint8/early HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+        "If-None-Match: *\r\n\r\n"
+    ).encode()
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head)
+            time.sleep(0.2)  # the 412 is sent (and, unfixed, the socket closed) meanwhile
+            sock.sendall(data)  # into a closed socket this provokes a reset
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 412 "), answer[:200]
+        assert b'"already_exists"' in answer
