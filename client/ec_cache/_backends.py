@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from ._cuda import caller_context
+
 __all__ = [
     "AsyncMapper",
     "AsyncSemaphore",
@@ -207,7 +209,8 @@ async def async_sleep(seconds: float) -> None:
 # -- many calls at once --------------------------------------------------------------
 class Mapper:
     """Runs ``fn`` over items, ``concurrency`` at a time, in worker threads created on
-    first use; one item runs in the calling thread."""
+    first use, each under the calling thread's CUDA device and streams; one item runs
+    in the calling thread."""
 
     def __init__(self, concurrency: int) -> None:
         self._concurrency = concurrency
@@ -223,7 +226,15 @@ class Mapper:
                     max_workers=self._concurrency, thread_name_prefix="ec-cache"
                 )
             executor = self._executor
-        return list(executor.map(fn, items))
+        context = caller_context()
+        if context is None:
+            return list(executor.map(fn, items))
+
+        def in_context(item: X) -> T:
+            with context():
+                return fn(item)
+
+        return list(executor.map(in_context, items))
 
     def close(self) -> None:
         with self._lock:

@@ -1,7 +1,9 @@
-"""Host<->device copies. Everything CUDA-specific lives here.
+"""Host<->device copies, and the calling thread's CUDA state for worker threads.
+Everything CUDA-specific lives here.
 
-Only these two functions touch a GPU; they can only be exercised on a machine with
-one (the CPU test-suite covers the staging logic with ``device="cpu"`` buffers).
+Only these functions touch a GPU; they can only be exercised on a machine with one
+(the CPU test-suite covers the staging logic with ``device="cpu"`` buffers, and
+``bench/gpu.py`` checks the streams on a GPU).
 
 * :func:`stage_to_host` - PUT of a device tensor: one asynchronous copy into a pinned
   pooled buffer, then wait for it, so that the socket sends from host memory.
@@ -10,15 +12,22 @@ one (the CPU test-suite covers the staging logic with ``device="cpu"`` buffers).
   and record an event on the buffer, so that the pool waits for the copy before the
   buffer is reused. Work queued later on the same stream sees the data; other streams
   must wait on that stream (``torch.cuda.current_stream(device)``) as usual.
+* :func:`caller_context` - the calling thread's current device and streams, to enter
+  in the worker threads of ``Client.get_many``/``put_many``: a thread starts on device
+  0's default stream, so without it their copies would not be ordered with the
+  caller's work.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ._buffers import BufferPool, PooledBuffer
 
-__all__ = ["copy_to_device", "stage_to_host"]
+__all__ = ["caller_context", "copy_to_device", "stage_to_host"]
 
 
 def stage_to_host(tensor: torch.Tensor, pool: BufferPool) -> PooledBuffer:
@@ -66,3 +75,27 @@ def copy_to_device(
     else:
         out.copy_(staged)
     return out
+
+
+def caller_context() -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+    """A context that makes the calling thread's current CUDA device and non-default
+    current streams current in another thread; None when this process has not
+    initialised CUDA (then every thread is on the defaults already)."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    device = torch.cuda.current_device()
+    streams = []
+    for index in range(torch.cuda.device_count()):
+        stream = torch.cuda.current_stream(index)
+        if stream != torch.cuda.default_stream(index):
+            streams.append(stream)
+
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for stream in streams:
+                stack.enter_context(torch.cuda.stream(stream))
+            stack.enter_context(torch.cuda.device(device))
+            yield
+
+    return entered
