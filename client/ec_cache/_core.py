@@ -385,8 +385,9 @@ class Receiver:
     The data goes straight into the destination when that is a contiguous CPU tensor
     (``out``, or a new one on memory from the ``results`` pool, which gets it back once
     the caller drops the tensor); otherwise into a pooled staging buffer (pinned when
-    CUDA is available) followed by one copy to the device / into ``out``. The returned
-    tensor never aliases a staging buffer.
+    CUDA is available) followed by one copy to the device / into ``out``; to a
+    contiguous CUDA destination that copy goes in sections queued as the body arrives
+    (:meth:`landed`). The returned tensor never aliases a staging buffer.
     """
 
     def __init__(
@@ -420,6 +421,7 @@ class Receiver:
         self.meta: TensorMeta | None = None
         self._result: torch.Tensor | None = None
         self._lease: PooledBuffer | None = None
+        self._sections: _cuda.SectionCopy | None = None
         self.received = 0
 
     def header_length(self, prefix: bytes) -> int:
@@ -468,7 +470,18 @@ class Receiver:
             self._result = self.results.tensor(meta.shape, torch_dtype)
             return tensor_memoryview(self._result)
         self._lease = self.pool.acquire(meta.nbytes)
+        if self._lease.tensor.is_pinned():
+            dst = out
+            if dst is None and self.device.type == "cuda":
+                dst = torch.empty(meta.shape, dtype=torch_dtype, device=self.device)
+            if dst is not None and dst.device.type == "cuda" and dst.is_contiguous():
+                self._sections = _cuda.SectionCopy(self._lease, dst, meta.nbytes)
         return self._lease.view(meta.nbytes)
+
+    def landed(self, filled: int) -> None:
+        """The first ``filled`` bytes of :meth:`plan`'s target have arrived."""
+        if self._sections is not None:
+            self._sections.landed(filled)
 
     def finish(self) -> torch.Tensor:
         meta = self.meta
@@ -484,6 +497,11 @@ class Receiver:
                 )
         if self._result is not None:
             return self._result
+        if self._sections is not None:
+            try:
+                return self._sections.finish()
+            finally:
+                self.release()
         lease = self._lease
         assert lease is not None
         torch_dtype = DTYPES[meta.dtype][0]
@@ -501,6 +519,8 @@ class Receiver:
     def release(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
+            if self._sections is not None:
+                self._sections.abandon()
             lease.release()
 
 

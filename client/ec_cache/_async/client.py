@@ -391,7 +391,7 @@ class AsyncClient(ClientBase):
             prefix = await _read_exact(readinto, 8, rx)
             header = await _read_exact(readinto, rx.header_length(prefix), rx)
             target = rx.plan(header)
-            await _fill(readinto, target, rx, progress)
+            await _fill(readinto, target, rx, progress, rx.landed)
             _core.check_body_end(await readinto(memoryview(bytearray(1))))
             return rx.finish()
         finally:
@@ -424,7 +424,11 @@ async def _read_exact(readinto: ReadInto, n: int, rx: Receiver) -> bytes:
 
 
 async def _fill(
-    readinto: ReadInto, target: memoryview, rx: Receiver, progress: Progress | None
+    readinto: ReadInto,
+    target: memoryview,
+    rx: Receiver,
+    progress: Progress | None,
+    landed: Callable[[int], None] | None = None,
 ) -> None:
     filled, size = 0, len(target)
     crc = rx.crc
@@ -435,5 +439,7 @@ async def _fill(
         crc.update(target[filled : filled + n])
         filled += n
         rx.received += n
+        if landed is not None:
+            landed(filled)
         if progress is not None:
             progress(rx.received, rx.total or 0)

@@ -390,7 +390,7 @@ class Client(ClientBase):
             prefix = _read_exact(readinto, 8, rx)
             header = _read_exact(readinto, rx.header_length(prefix), rx)
             target = rx.plan(header)
-            _fill(readinto, target, rx, progress)
+            _fill(readinto, target, rx, progress, rx.landed)
             _core.check_body_end(readinto(memoryview(bytearray(1))))
             return rx.finish()
         finally:
@@ -422,7 +422,13 @@ def _read_exact(readinto: ReadInto, n: int, rx: Receiver) -> bytes:
     return bytes(buf)
 
 
-def _fill(readinto: ReadInto, target: memoryview, rx: Receiver, progress: Progress | None) -> None:
+def _fill(
+    readinto: ReadInto,
+    target: memoryview,
+    rx: Receiver,
+    progress: Progress | None,
+    landed: Callable[[int], None] | None = None,
+) -> None:
     filled, size = 0, len(target)
     crc = rx.crc
     while filled < size:
@@ -432,5 +438,7 @@ def _fill(readinto: ReadInto, target: memoryview, rx: Receiver, progress: Progre
         crc.update(target[filled : filled + n])
         filled += n
         rx.received += n
+        if landed is not None:
+            landed(filled)
         if progress is not None:
             progress(rx.received, rx.total or 0)
