@@ -1,11 +1,12 @@
 """The SDK against urllib3 on the same ec-cache server, same run (``python -m bench.sdk_urllib3``).
 
     python -m bench.sdk_urllib3 [--clients 1,4,16,64] [--sizes 4.7,19.3] [--rounds 5]
-                                [--requests 64] [--only threads|tasks]
+                                [--requests 64] [--only threads|tasks] [--no-verify]
 
 One ``python -m app`` on 127.0.0.1 holds one entry per size. For each concurrency:
 ``clients`` threads sharing one ``ec_cache.Client`` (``get`` into a fresh CPU tensor,
-CRC32C checked), ``clients`` asyncio tasks sharing one ``ec_cache.AsyncClient``, and
+CRC32C checked unless ``--no-verify``: urllib3 checks nothing, so that option shows what
+the check costs), ``clients`` asyncio tasks sharing one ``ec_cache.AsyncClient``, and
 ``clients`` threads sharing one ``urllib3.PoolManager`` (``.data``), in rounds whose
 order alternates. Prints the median aggregate MB/s of each, the SDK's ratio to
 urllib3, and the client process's CPU time per GET (all its threads; the server is
@@ -43,6 +44,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=64, help="per round (at least 2 a client)")
     parser.add_argument("--only", choices=("threads", "tasks"), help="one SDK contender")
+    parser.add_argument(
+        "--no-verify", action="store_true", help="SDK clients with verify=False (no CRC32C)"
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     most = max(levels)
@@ -53,8 +57,11 @@ def main() -> int:
         srv = ServerProcess(root / "d", root / "log", disk_max_bytes="2GiB").start()
         loop = EventLoopThread()
         limits = ec_cache.Limits(max_keepalive=most, concurrency=most)
-        client = ec_cache.Client(srv.url, model=MODEL, dtype=DTYPE, limits=limits)
-        aclient = ec_cache.AsyncClient(srv.url, model=MODEL, dtype=DTYPE, limits=limits)
+        verify = not args.no_verify
+        client = ec_cache.Client(srv.url, model=MODEL, dtype=DTYPE, limits=limits, verify=verify)
+        aclient = ec_cache.AsyncClient(
+            srv.url, model=MODEL, dtype=DTYPE, limits=limits, verify=verify
+        )
         pool = urllib3.PoolManager(maxsize=most, block=True)
         try:
             for size in args.sizes.split(","):

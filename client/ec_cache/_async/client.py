@@ -431,12 +431,13 @@ async def _fill(
     landed: Callable[[int], None] | None = None,
 ) -> None:
     filled, size = 0, len(target)
-    crc = rx.crc
+    crc = rx.crc if rx.verify else None
     while filled < size:
         n = await readinto(target[filled:])
         if n == 0:
             raise IntegrityError(f"{rx.url}: body ended {size - filled} bytes early")
-        crc.update(target[filled : filled + n])
+        if crc is not None:
+            crc.update(target[filled : filled + n])
         filled += n
         rx.received += n
         if landed is not None:
