@@ -227,7 +227,12 @@ class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
         """``transport.close()`` of an upload's response cycle: close, or linger while
         the request body is still arriving (see the module docstring)."""
         transport = self.transport
-        if not cycle.more_body or transport.is_closing() or not transport.can_write_eof():
+        if (
+            not cycle.response_complete  # an app that failed mid-answer: drop at once
+            or not cycle.more_body
+            or transport.is_closing()
+            or not transport.can_write_eof()
+        ):
             transport.close()
             return
         transport.write_eof()  # after the answer still buffered

@@ -520,7 +520,7 @@ class Receiver:
         lease, self._lease = self._lease, None
         if lease is not None:
             if self._sections is not None:
-                self._sections.abandon()
+                self._sections.fence()
             lease.release()
 
 

@@ -105,10 +105,10 @@ class SectionCopy:
     def finish(self) -> torch.Tensor:
         """Queue the rest; the buffer may be released once this returns."""
         self._copy(self.nbytes)
-        self.abandon()
+        self.fence()
         return self.dst
 
-    def abandon(self) -> None:
+    def fence(self) -> None:
         """Make the pool wait for the copies queued so far before reusing the buffer."""
         if self.copied and self.buf.event is None:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
