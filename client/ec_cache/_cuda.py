@@ -72,9 +72,7 @@ def copy_to_device(
     if device.type == "cuda":
         with torch.cuda.device(device):
             out.copy_(staged, non_blocking=buf.tensor.is_pinned())
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(device))
-            buf.event = event
+            _fence(buf, device)
     else:
         out.copy_(staged)
     return out
@@ -111,15 +109,21 @@ class SectionCopy:
     def fence(self) -> None:
         """Make the pool wait for the copies queued so far before reusing the buffer."""
         if self.copied and self.buf.event is None:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(self.dst.device))
-            self.buf.event = event
+            _fence(self.buf, self.dst.device)
 
     def _copy(self, end: int) -> None:
         # copy_ queues a host-to-device copy on the current stream of dst's device.
         start, self.copied = self.copied, end
         if end > start:
             self._dst[start:end].copy_(self._src[start:end], non_blocking=True)
+
+
+def _fence(buf: PooledBuffer, device: torch.device) -> None:
+    """Record on ``buf`` an event after the copies queued so far on ``device``'s current
+    stream: the pool waits for it before reusing the buffer."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    buf.event = event
 
 
 def caller_context() -> Callable[[], contextlib.AbstractContextManager[None]] | None:
