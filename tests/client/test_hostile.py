@@ -255,6 +255,24 @@ def test_keep_alive_is_used_when_both_sides_complete(hostile: Any, client_factor
     assert srv.connections == 1 and srv2.connections == 1
 
 
+def test_a_kept_alive_connection_closed_without_an_answer_is_retried_once(
+    hostile: Any, client_factory: Factory
+) -> None:
+    """A server that closes an idle connection just as a request arrives on it (its
+    keep-alive deadline) answers nothing: that request goes again on a new connection,
+    even with retries off, as after a reset."""
+    answered = iter([True, False])
+
+    def script(head: bytes) -> list[bytes]:
+        return [entry_head() + BODY] if next(answered, True) else [b""]
+
+    srv = hostile(script)
+    c = client_for(client_factory, srv)
+    assert torch.equal(c.get("h"), T)
+    assert torch.equal(c.get("h"), T)
+    assert srv.connections == 2 and len(srv.requests) == 3
+
+
 def test_no_reuse_after_an_answer_to_an_unsent_body(hostile: Any, client_factory: Factory) -> None:
     """A 412 to an ``Expect: 100-continue`` PUT leaves the request incomplete (its body
     was never sent): the connection is closed even though the server keeps it open."""

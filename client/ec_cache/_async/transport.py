@@ -149,6 +149,10 @@ class AsyncConnection:
             n = await self.sock.recv_into(mv, wait)
             if n:
                 self.received_any = True
+            elif not self.received_any:
+                # h11 would call this a protocol error; it is a connection the server
+                # closed (a kept-alive one: resent once, as after a reset).
+                raise _Closed("server closed the connection without answering")
             self.h11.receive_data(mv[:n] if n else b"")  # type: ignore[arg-type]
 
 
@@ -524,8 +528,6 @@ class AsyncTransport(httpx.AsyncBaseTransport):
             event = await conn.next_event(timeout, deadline)
             if isinstance(event, h11.Response):
                 return event
-            if isinstance(event, h11.ConnectionClosed):
-                raise _Closed("server closed the connection")
             if not isinstance(event, h11.InformationalResponse):
                 raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
         raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
@@ -549,8 +551,6 @@ class AsyncTransport(httpx.AsyncBaseTransport):
                 continue
             if isinstance(event, h11.Response):
                 return event
-            if isinstance(event, h11.ConnectionClosed):
-                raise _Closed("server closed the connection")
             raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
         raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
 

@@ -150,6 +150,10 @@ class Connection:
             n = self.sock.recv_into(mv, wait)
             if n:
                 self.received_any = True
+            elif not self.received_any:
+                # h11 would call this a protocol error; it is a connection the server
+                # closed (a kept-alive one: resent once, as after a reset).
+                raise _Closed("server closed the connection without answering")
             self.h11.receive_data(mv[:n] if n else b"")  # type: ignore[arg-type]
 
 
@@ -521,8 +525,6 @@ class Transport(httpx.BaseTransport):
             event = conn.next_event(timeout, deadline)
             if isinstance(event, h11.Response):
                 return event
-            if isinstance(event, h11.ConnectionClosed):
-                raise _Closed("server closed the connection")
             if not isinstance(event, h11.InformationalResponse):
                 raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
         raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
@@ -544,8 +546,6 @@ class Transport(httpx.BaseTransport):
                 continue
             if isinstance(event, h11.Response):
                 return event
-            if isinstance(event, h11.ConnectionClosed):
-                raise _Closed("server closed the connection")
             raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
         raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
 
