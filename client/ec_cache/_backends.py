@@ -115,8 +115,8 @@ class Socket:
 
 
 class AsyncSocket:
-    """A connected non-blocking TCP socket driven by the running asyncio loop
-    (``loop.sock_recv_into`` receives straight into caller memory)."""
+    """A connected non-blocking TCP socket driven by the running asyncio loop: it
+    waits for readability through the loop, then receives straight into caller memory."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -149,13 +149,31 @@ class AsyncSocket:
             await loop.sock_sendall(self.sock, data)
 
     async def recv_into(self, mv: memoryview, timeout: float | None) -> int:
+        """Receive into ``mv``; ``TimeoutError`` after ``timeout`` seconds with nothing.
+
+        Only the wait for readability is ever cancelled, never a receive: under a
+        timeout, ``loop.sock_recv_into`` can take bytes off the socket and then raise
+        (the timeout fires in the loop iteration that received them), and a caller
+        that goes on after a timeout (the wait for ``100 Continue``) lost the answer."""
         try:  # fast path: the data is already there, no timer needed
             return self.sock.recv_into(mv)
         except BlockingIOError:
             pass
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout):
-            return await loop.sock_recv_into(self.sock, mv)
+        deadline = None if timeout is None else loop.time() + timeout
+        fd = self.sock.fileno()
+        while True:
+            ready = loop.create_future()
+            loop.add_reader(fd, _set_ready, ready)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await ready
+            finally:
+                loop.remove_reader(fd)
+            try:
+                return self.sock.recv_into(mv)
+            except BlockingIOError:
+                continue
 
     def readable(self) -> bool:
         return _readable(self.sock)
@@ -163,6 +181,11 @@ class AsyncSocket:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _set_ready(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
 
 
 # -- a semaphore with a timeout ------------------------------------------------------

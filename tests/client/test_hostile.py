@@ -5,7 +5,9 @@ case; property-based tests (hypothesis) vary the framing and corrupt the bytes."
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -283,6 +285,34 @@ def test_no_reuse_after_an_answer_to_an_unsent_body(hostile: Any, client_factory
     assert b"expect: 100-continue" in srv.requests[0].lower()
     assert torch.equal(c.get("h"), T)
     assert srv.connections == 2
+
+
+def test_an_early_answer_that_lands_as_the_wait_for_100_continue_ends_is_read(
+    hostile: Any,
+) -> None:
+    """The 412 to an ``Expect: 100-continue`` PUT lands while the client's event loop is
+    busy, and the loop comes back after the wait's deadline: the timeout must not take
+    the answer with it (the body goes, then the 412 is read). Under load this PUT used
+    to end in 'server closed the connection without answering'."""
+    refused = b"HTTP/1.1 412 Precondition Failed\r\nContent-Length: 0\r\n\r\n"
+    client_loop: list[asyncio.AbstractEventLoop] = []
+
+    def script(head: bytes) -> list[Step]:
+        # Block the client's loop past its wait for 100 Continue (FAST.read), answer meanwhile.
+        client_loop[0].call_soon_threadsafe(time.sleep, 2 * FAST.read)
+        return [0.1, refused]
+
+    srv = hostile(script)
+
+    async def put() -> bool:
+        client_loop.append(asyncio.get_running_loop())
+        async with ec_cache.AsyncClient(
+            srv.url, model="m", dtype="float32", timeouts=FAST, retries=Retries(attempts=1)
+        ) as c:
+            return await c.put("h", T)
+
+    assert asyncio.run(put()) is False
+    assert b"expect: 100-continue" in srv.requests[0].lower()
 
 
 def test_slow_drip_of_the_body_times_out(hostile: Any, client_factory: Factory) -> None:
