@@ -15,7 +15,8 @@ keep-alive connection each):
 * **PUT**: ec-cache SDK write-through (201 once disk and S3 hold the verified bytes)
   against boto3 ``put_object`` of the same body to the same S3;
 * **read-through GET**: a "cold" server whose disk holds one entry reads three keys in
-  one strict cycle, so every GET is an S3 hit (its ``/stats`` lookups are recorded).
+  one strict cycle, so every GET is an S3 hit (``ColdCycle``; its ``/stats`` lookups
+  are recorded).
   Through the SDK, and through urllib3 streaming (``read(1)`` then the rest) for the
   time to first body byte (TTFB), against boto3 ``get_object`` (``Body.read(1)`` then
   the rest: the same urllib3 underneath);
@@ -41,6 +42,7 @@ from typing import Any
 import ec_cache
 import urllib3
 
+from app.keys import key_digest
 from bench.contenders import boto3_client, same_bits, tensor_from_safetensors_bytes
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS, Payload
 from bench.services import Services, http_json, load_average
@@ -111,6 +113,8 @@ class Isolation:
 class Row:
     label: str
     pid_of: Callable[[], int | None]
+    #: Called before each request, outside its timing.
+    before: Callable[[], None] | None = None
     seconds: list[list[float]] = field(default_factory=list)
     ttfb: list[float] = field(default_factory=list)
     round_bytes: list[int] = field(default_factory=list)
@@ -142,11 +146,40 @@ class Row:
 Op = Callable[[int], tuple[int, float | None]]
 
 
+class ColdCycle:
+    """The keys a cold server is asked for, in one strict cycle longer than its disk
+    tier, so that every GET is an S3 hit. A fill is published on disk (group commit)
+    a little after its response ends: on a busy machine the key asked for next can
+    still be the one on disk. ``settle`` (untimed) waits until its file is evicted."""
+
+    SETTLE_TIMEOUT = 30.0
+
+    def __init__(self, keys: list[str], data_dir: Path) -> None:
+        self._keys = keys
+        self._objects = data_dir / "objects"
+        self._step = 1  # keys[0] is the entry on disk when the cycle starts
+
+    def next_key(self) -> str:
+        key = self._keys[self._step % len(self._keys)]
+        self._step += 1
+        return key
+
+    def settle(self) -> None:
+        digest = key_digest(MODEL, DTYPE, self._keys[self._step % len(self._keys)])
+        deadline = time.monotonic() + self.SETTLE_TIMEOUT
+        while any((self._objects / digest[:2]).glob(f"{digest}.*")):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cold server kept {digest} on disk")
+            time.sleep(0.001)
+
+
 def run_rounds(
     contenders: list[tuple[Row, Op]], *, rounds: int, requests: int, s3_pid: int
 ) -> dict[str, Any]:
     """Interleaved rounds (order rotated and reversed), CPU read around each round."""
-    for _, op in contenders:  # connections, page cache
+    for row, op in contenders:  # connections, page cache
+        if row.before is not None:
+            row.before()
         op(0)
     for round_index in range(rounds):
         shift = round_index % len(contenders)
@@ -161,6 +194,8 @@ def run_rounds(
             seconds: list[float] = []
             moved = 0
             for i in range(requests):
+                if row.before is not None:
+                    row.before()
                 start = time.perf_counter()
                 n, first = op(i)
                 seconds.append(time.perf_counter() - start)
@@ -291,17 +326,17 @@ def _payload(
         assert same_bits(tensor_from_safetensors_bytes(data, payload), tensors[1])
 
         # One strict cycle shared by both cold contenders: every GET misses the disk.
-        cold_cycle = itertools.count(1)
+        cold_cycle = ColdCycle(keys, cold.data_dir)
         boto_cycle = itertools.count()
 
         def sdk_s3(_: int) -> tuple[int, float | None]:
-            key = keys[next(cold_cycle) % 3]
+            key = cold_cycle.next_key()
             if cold_client.get(key) is None:
                 raise RuntimeError(f"miss on {key}")
             return payload.size, None
 
         def urllib3_s3(_: int) -> tuple[int, float | None]:
-            key = keys[next(cold_cycle) % 3]
+            key = cold_cycle.next_key()
             resp = cold_pool.urlopen(
                 "GET", f"/ec/{MODEL}/{DTYPE}/{key}", preload_content=False, retries=False
             )
@@ -331,8 +366,8 @@ def _payload(
         entry["get"] = run_rounds(
             [
                 (Row(BOTO3_GET, lambda: None), boto3_get),
-                (Row(SDK_S3_GET, _pid(cold)), sdk_s3),
-                (Row(URLLIB3_S3_GET, _pid(cold)), urllib3_s3),
+                (Row(SDK_S3_GET, _pid(cold), cold_cycle.settle), sdk_s3),
+                (Row(URLLIB3_S3_GET, _pid(cold), cold_cycle.settle), urllib3_s3),
                 (Row(SDK_DISK_GET, _pid(wt)), sdk_disk),
             ],
             rounds=rounds,
