@@ -67,7 +67,7 @@ def test_a_receive_times_out_and_then_receives(loop: str) -> None:
     try:
         with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
             waited, got = runner.run(receive())
-        assert waited >= 0.05 and got == b"late"
+        assert waited >= 0.045 and got == b"late"  # not before its deadline
     finally:
         ours.close()
         theirs.close()
