@@ -7,12 +7,14 @@ its way to ``Response.content``. This one keeps httpx's API (requests, headers,
 timeouts, event hooks) and:
 
 * parses and frames every request and response with h11 (status line, headers,
-  ``Content-Length``, ``Transfer-Encoding: chunked`` with trailers, ``HEAD``, 1xx);
+  ``Content-Length``, ``Transfer-Encoding: chunked`` with trailers, ``HEAD``, 1xx),
+  but for the plain response heads of nearly every ec-cache answer, which
+  ``ec_cache._head`` parses by h11's rules in a fifth of its time;
 * sends request bodies from the caller's buffers (``memoryview`` s of tensor memory);
 * exposes ``response.extensions["ec_body"]``, whose ``readinto(buffer)`` fills caller
-  memory. Once h11 has handed over what it had buffered, the rest of a
-  ``Content-Length`` body is received with ``recv_into`` straight into the buffer:
-  the one piece of framing written by hand here (h11 would copy every byte twice);
+  memory. Once the bytes received with the head are handed over (by h11, or kept
+  with a plain head), the rest of a ``Content-Length`` body is received with
+  ``recv_into`` straight into the buffer (h11 would copy every byte twice);
 * sends ``Expect: 100-continue`` requests in two steps: the head, then the body only
   after ``100 Continue`` (or ``EXPECT_TIMEOUT`` seconds of silence); a final answer
   in between (412, 413, 401) means the body is never sent;
@@ -39,6 +41,7 @@ import h11
 import httpx
 
 from .._backends import Semaphore, Socket
+from .._head import Head, parse_plain_head
 
 __all__ = ["ResponseBody", "Transport"]
 
@@ -54,6 +57,9 @@ EXPECT_TIMEOUT = 1.0
 """Seconds to wait for ``100 Continue`` before sending the body anyway (as curl)."""
 
 _Key = tuple[str, int]
+_Answer = tuple[Head, int | None]
+"""A final response head and the length of its body when the transport frames it
+(``Content-Length``, or 0 after a plain head without a body); ``None``: h11 frames it."""
 
 
 class _Closed(ConnectionResetError):
@@ -87,21 +93,26 @@ class Outgoing:
         )
 
 
-def _keep_alive(event: h11.Response) -> bool:
-    if event.http_version != b"1.1":
+def _keep_alive(head: Head) -> bool:
+    if head.http_version != b"1.1":
         return False
-    for name, value in event.headers:
+    for name, value in head.fields:
         if name == b"connection" and b"close" in [t.strip() for t in value.lower().split(b",")]:
             return False
     return True
 
 
-def _content_length_framed(event: h11.Response, method: bytes) -> int | None:
+def _h11_answer(event: h11.Response, method: bytes) -> _Answer:
+    head = Head.of(event)
+    return head, _content_length_framed(head, method)
+
+
+def _content_length_framed(head: Head, method: bytes) -> int | None:
     """The body length when the body is framed by ``Content-Length`` alone."""
-    if method == b"HEAD" or event.status_code in (204, 304):
+    if method == b"HEAD" or head.status_code in (204, 304):
         return None
     length: int | None = None
-    for name, value in event.headers:
+    for name, value in head.fields:
         if name == b"transfer-encoding":
             return None
         if name == b"content-length":
@@ -125,6 +136,7 @@ class Connection:
         h11's bookkeeping)."""
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.received_any = False
+        self.early = b""  # body bytes received with a plain head (h11 never saw them)
 
     def close(self) -> None:
         if not self.closed:
@@ -140,21 +152,39 @@ class Connection:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            wait = timeout
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("response head not complete in time")
-                wait = left if wait is None else min(wait, left)
-            mv = memoryview(self._buf)
-            n = self.sock.recv_into(mv, wait)
-            if n:
-                self.received_any = True
-            elif not self.received_any:
-                # h11 would call this a protocol error; it is a connection the server
-                # closed (a kept-alive one: resent once, as after a reset).
-                raise _Closed("server closed the connection without answering")
-            self.h11.receive_data(mv[:n] if n else b"")  # type: ignore[arg-type]
+            n = self._receive(timeout, deadline)
+            self.h11.receive_data(memoryview(self._buf)[:n] if n else b"")  # type: ignore[arg-type]
+
+    def plain_head(
+        self, method: bytes, timeout: float | None, deadline: float | None
+    ) -> tuple[Head, int] | None:
+        """The first receive of an answer, when it starts with a plain head (see
+        ``ec_cache._head``): the head and its body length, the body bytes after it kept
+        in ``early``. Else ``None``, and the bytes go to h11 (``next_event`` goes on)."""
+        n = self._receive(timeout, deadline)
+        plain = parse_plain_head(self._buf, n, method)
+        received = memoryview(self._buf)[:n]
+        if plain is None:
+            self.h11.receive_data(received)  # type: ignore[arg-type]
+            return None
+        self.early = bytes(received[plain.body_start :])
+        return plain.head, plain.body_length
+
+    def _receive(self, timeout: float | None, deadline: float | None) -> int:
+        wait = timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("response head not complete in time")
+            wait = left if wait is None else min(wait, left)
+        n = self.sock.recv_into(memoryview(self._buf), wait)
+        if n:
+            self.received_any = True
+        elif not self.received_any:
+            # h11 would call this a protocol error; it is a connection the server
+            # closed (a kept-alive one: resent once, as after a reset).
+            raise _Closed("server closed the connection without answering")
+        return n
 
 
 class ResponseBody(httpx.SyncByteStream):
@@ -165,7 +195,8 @@ class ResponseBody(httpx.SyncByteStream):
         self,
         transport: Transport,
         conn: Connection,
-        event: h11.Response,
+        head: Head,
+        framed_length: int | None,
         out: Outgoing,
         *,
         request_complete: bool,
@@ -177,12 +208,17 @@ class ResponseBody(httpx.SyncByteStream):
         self._request = out.request
         self._timeout = read_timeout
         self._release_slot: Callable[[], None] | None = release_slot
-        self._keep_alive = request_complete and _keep_alive(event)
-        self._direct_length = _content_length_framed(event, out.method)
-        self.length = self._direct_length
-        self._delivered = 0  # body bytes handed over by h11
+        self._keep_alive = request_complete and _keep_alive(head)
+        self._direct_length = framed_length
+        self.length = framed_length
         self._direct_left: int | None = None  # bytes left to receive past h11
-        self._left = memoryview(b"")  # the undelivered part of h11's last Data event
+        # Undelivered received bytes: of h11's last Data event, or of a plain head's read.
+        early, conn.early = conn.early, b""
+        if framed_length is not None and len(early) > framed_length:
+            self._keep_alive = False  # bytes after the body
+            early = early[:framed_length]
+        self._left = memoryview(early)
+        self._delivered = len(early)  # body bytes handed over before the direct ones
         self.done = False
 
     def readinto(self, mv: memoryview) -> int:
@@ -426,19 +462,19 @@ class Transport(httpx.BaseTransport):
         write_timeout, read_timeout = timeouts.get("write"), timeouts.get("read")
         phase = "write"
         try:
-            event: h11.Response | None = None
+            answer: _Answer | None = None
             if out.expect:
                 conn.sock.sendall(head, write_timeout)
                 head = b""
-                event = self._await_continue(conn, read_timeout)
-            if event is None:
+                answer = self._await_continue(conn, read_timeout, out.method)
+            if answer is None:
                 self._send_body(conn, head, out.stream, write_timeout)
                 phase = "read"
-                event = self._read_head(conn, read_timeout)
+                answer = self._read_head(conn, read_timeout, out.method)
         except (OSError, h11.ProtocolError) as exc:
             early = None
             if phase == "write" and not isinstance(exc, TimeoutError | h11.ProtocolError):
-                early = self._early_answer(conn, read_timeout)
+                early = self._early_answer(conn, read_timeout, out.method)
             if early is not None:
                 return self._response(conn, early, out, read_timeout, release_slot)
             conn.close()
@@ -460,32 +496,34 @@ class Transport(httpx.BaseTransport):
         except BaseException:
             conn.close()
             raise
-        return self._response(conn, event, out, read_timeout, release_slot)
+        return self._response(conn, answer, out, read_timeout, release_slot)
 
     def _response(
         self,
         conn: Connection,
-        event: h11.Response,
+        answer: _Answer,
         out: Outgoing,
         read_timeout: float | None,
         release_slot: Callable[[], None],
     ) -> httpx.Response:
+        response_head, framed_length = answer
         body = ResponseBody(
             self,
             conn,
-            event,
+            response_head,
+            framed_length,
             out,
             request_complete=conn.h11.our_state is h11.DONE,
             read_timeout=read_timeout,
             release_slot=release_slot,
         )
         return httpx.Response(
-            event.status_code,
-            headers=event.headers.raw_items(),
+            response_head.status_code,
+            headers=response_head.raw,
             stream=body,
             extensions={
-                "http_version": b"HTTP/" + event.http_version,
-                "reason_phrase": event.reason,
+                "http_version": b"HTTP/" + response_head.http_version,
+                "reason_phrase": response_head.reason,
                 "ec_body": body,
             },
         )
@@ -517,20 +555,26 @@ class Transport(httpx.BaseTransport):
             sock.sendall(pending, timeout)
 
     @staticmethod
-    def _read_head(conn: Connection, timeout: float | None) -> h11.Response:
+    def _read_head(conn: Connection, timeout: float | None, method: bytes) -> _Answer:
         """The final response head; interim 1xx answers are skipped (at most
         ``MAX_INTERIM``), and ``timeout`` bounds the whole head, not each receive."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not conn.received_any:  # the common case: a plain head, no h11
+            plain = conn.plain_head(method, timeout, deadline)
+            if plain is not None:
+                return plain
         for _ in range(MAX_INTERIM + 1):
             event = conn.next_event(timeout, deadline)
             if isinstance(event, h11.Response):
-                return event
+                return _h11_answer(event, method)
             if not isinstance(event, h11.InformationalResponse):
                 raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
         raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
 
     @classmethod
-    def _await_continue(cls, conn: Connection, timeout: float | None) -> h11.Response | None:
+    def _await_continue(
+        cls, conn: Connection, timeout: float | None, method: bytes
+    ) -> _Answer | None:
         """After an ``Expect: 100-continue`` head: ``None`` once the body may be sent
         (``100 Continue``, or silence), the final answer when the server gave one."""
         wait = EXPECT_TIMEOUT if timeout is None else min(EXPECT_TIMEOUT, timeout)
@@ -545,16 +589,18 @@ class Transport(httpx.BaseTransport):
                     return None
                 continue
             if isinstance(event, h11.Response):
-                return event
+                return _h11_answer(event, method)
             raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
         raise h11.RemoteProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
 
     @classmethod
-    def _early_answer(cls, conn: Connection, timeout: float | None) -> h11.Response | None:
+    def _early_answer(
+        cls, conn: Connection, timeout: float | None, method: bytes
+    ) -> _Answer | None:
         """After a failed write: the answer the server sent before closing (an early
         413/401/400 that rejected the body), if it can still be read."""
         try:
-            return cls._read_head(conn, timeout if timeout is not None else 5.0)
+            return cls._read_head(conn, timeout if timeout is not None else 5.0, method)
         except (OSError, h11.ProtocolError):
             return None
 
