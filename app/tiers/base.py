@@ -83,6 +83,9 @@ class RemoteBody(Protocol):
 
     size: int
     crc32c: int | None
+    #: The entry's header as stored metadata describes it (None: only the body can
+    #: tell); the read-through answers from it before the first body byte arrives.
+    header: TensorHeader | None
 
     def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]: ...
 

@@ -9,14 +9,17 @@ The first request that misses a key starts one :class:`Fill`: a background task 
 streams the backend's body into a disk-tier temp file, validating it (safetensors
 header, length, CRC32C against the stored ``ec-crc32c``) and committing it to the disk
 tier only when everything matches. Every request for that key while the fill runs — the
-one that started it and any that join — follows the fill at its own pace: it gets the
-response headers as soon as the safetensors header has arrived (the backend's first read
-is small, so that is one round trip and a few KiB), then each chunk **from memory** as
-soon as it arrived, was written to the temp file (on the backend's reading thread, no
-extra thread hop) and validated (the fill keeps the last ``RECENT_BYTES`` received); a reader that falls further behind reads the rest back
-from the temp file. So N concurrent misses make exactly one backend GET, nobody waits
-for the whole object before the first byte, memory per fill is bounded, and a slow or
-vanished client neither slows nor stops the fill (the disk tier is filled anyway).
+one that started it and any that join — follows the fill at its own pace. It gets the
+response headers as soon as the backend's answer describes the entry (its stored
+metadata, which the body's safetensors header must then match), else as soon as that
+header has arrived (the backend's first read is small: one round trip and a few KiB).
+Then it gets each chunk **from memory** as soon as it arrived, was written to the temp
+file (on the backend's reading thread, no extra thread hop) and validated (the fill
+keeps the last ``RECENT_BYTES`` received); a reader that falls further behind reads the
+rest back from the temp file. So N concurrent misses make exactly one backend GET,
+nobody waits for the whole object before the first byte, memory per fill is bounded,
+and a slow or vanished client neither slows nor stops the fill (the disk tier is filled
+anyway).
 
 The last chunk is only released after the fill verified the length and CRC32C of the
 whole body, and the entry is committed to disk only then: a corrupt object is never
@@ -47,11 +50,12 @@ from app.errors import (
     ChecksumMismatch,
     ECError,
     InvalidBackendObject,
+    InvalidBody,
     Unavailable,
 )
 from app.keys import EntryKey
 from app.metrics import ReadThroughMetrics
-from app.safetensors_format import BodyValidator
+from app.safetensors_format import BodyValidator, TensorHeader
 from app.tiers.base import Backend, EntryBody, EntryInfo
 from app.tiers.disk import DiskTier, PendingWrite
 
@@ -143,6 +147,11 @@ class Fill:
                     expected_crc=remote.crc32c,
                     declared_length=remote.size,
                 )
+                described = remote.header
+                if described is not None and remote.crc32c is not None:
+                    # Stored metadata describes the entry: answer now, one round trip
+                    # sooner; the body's own header must then say the same (below).
+                    self.ready.set_result(EntryInfo(remote.size, remote.crc32c, described, tier))
                 write = pending.write
 
                 def to_disk(chunk: bytes) -> None:  # on the backend's reading thread
@@ -151,16 +160,18 @@ class Fill:
                 async for chunk in remote.chunks(to_disk):
                     validator.feed(chunk)
                     self._written += len(chunk)
+                    if validator.header is not None and not self.ready.done():
+                        if remote.crc32c is not None:
+                            self.ready.set_result(
+                                EntryInfo(remote.size, remote.crc32c, validator.header, tier)
+                            )
+                    elif described is not None and validator.header not in (None, described):
+                        raise InvalidBody(
+                            f"its safetensors header says {_describe(validator.header)} "
+                            f"but its metadata says {_describe(described)}"
+                        )
                     # Readers get the chunk from memory; the file serves who fell behind.
                     self._remember(chunk)
-                    if (
-                        not self.ready.done()
-                        and validator.header is not None
-                        and remote.crc32c is not None
-                    ):
-                        self.ready.set_result(
-                            EntryInfo(remote.size, remote.crc32c, validator.header, tier)
-                        )
                     self._notify()
                 header = validator.finish()  # length and CRC32C
                 self.verified.set_result(None)
@@ -278,6 +289,10 @@ class Fill:
                 yield data
         finally:
             self.detach()
+
+
+def _describe(header: TensorHeader) -> str:
+    return f"{header.dtype} [{header.shape_text}], header {header.header_length} bytes"
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

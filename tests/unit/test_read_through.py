@@ -35,6 +35,7 @@ def anyio_backend() -> str:
 class MemoryBody:
     def __init__(self, data: bytes, crc: int | None, gate: asyncio.Event) -> None:
         self.data, self.size, self.crc32c, self.gate = data, len(data), crc, gate
+        self.header: TensorHeader | None = None
 
     async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
         for start in range(0, self.size, 100):
@@ -69,6 +70,8 @@ class MemoryBackend:
         self.opens = 0
         self.gate = asyncio.Event()
         self.gate.set()
+        #: Headers that stored metadata describes (``RemoteBody.header``), per entry.
+        self.described: dict[EntryKey, TensorHeader] = {}
 
     async def head(self, key: EntryKey, *, read_header: bool = True) -> RemoteInfo | None:
         if key not in self.entries:
@@ -81,7 +84,9 @@ class MemoryBackend:
             return None
         self.opens += 1
         data, crc = self.entries[key]
-        return MemoryBody(data, crc, self.gate)
+        opened = MemoryBody(data, crc, self.gate)
+        opened.header = self.described.get(key)
+        return opened
 
     async def contains(self, key: EntryKey) -> bool:
         return key in self.entries
@@ -174,3 +179,38 @@ async def test_head_without_a_stored_crc_fills_once(tmp_path: Path) -> None:
     )
     await reader.settle(KEY)
     assert backend.opens == 1 and disk.contains(KEY)
+
+
+async def test_an_entry_its_metadata_describes_is_answered_before_its_body(
+    tmp_path: Path,
+) -> None:
+    backend, disk, reader = setup(tmp_path)
+    data = body((8, 16))
+    backend.entries[KEY] = (data, crc32c(data))
+    backend.described[KEY] = validate_body(data, KEY.dtype)
+    backend.gate.clear()  # not one body byte yet
+    entry = await asyncio.wait_for(reader.get(KEY), 5)
+    assert entry is not None and entry.chunks is not None
+    assert entry.info.header == backend.described[KEY]
+    assert (entry.info.size, entry.info.crc32c) == (len(data), crc32c(data))
+    backend.gate.set()
+    assert b"".join([chunk async for chunk in entry.chunks]) == data
+    await reader.settle(KEY)
+    assert disk.contains(KEY)
+
+
+async def test_metadata_that_misdescribes_the_body_fails_the_read_and_caches_nothing(
+    tmp_path: Path,
+) -> None:
+    backend, disk, reader = setup(tmp_path)
+    data = body((8, 16))
+    backend.entries[KEY] = (data, crc32c(data))
+    real = validate_body(data, KEY.dtype)
+    backend.described[KEY] = TensorHeader(real.dtype, (16, 8), real.header_length)
+    entry = await reader.get(KEY)  # answered from the metadata: headers are out
+    assert entry is not None and entry.chunks is not None
+    with pytest.raises(InvalidBackendObject, match=r"header says float32 \[8,16\].*\[16,8\]"):
+        b"".join([chunk async for chunk in entry.chunks])
+    await reader.settle(KEY)
+    assert not disk.contains(KEY)
+    assert list((tmp_path / "tmp").iterdir()) == []

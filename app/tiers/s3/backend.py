@@ -93,10 +93,11 @@ def header_from_metadata(key: EntryKey, info: ObjectInfo) -> TensorHeader | None
 class S3Body:
     """An open S3 GET as a :class:`~app.tiers.base.RemoteBody` (errors mapped)."""
 
-    def __init__(self, download: S3Download) -> None:
+    def __init__(self, download: S3Download, header: TensorHeader | None) -> None:
         self._download = download
         self.size = download.info.size
         self.crc32c = download.info.crc32c
+        self.header = header
 
     async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
         with http_errors():
@@ -186,7 +187,9 @@ class S3Backend:
     async def open(self, key: EntryKey) -> S3Body | None:
         with http_errors():
             download = await self.client.open(self.object_key(key))
-        return None if download is None else S3Body(download)
+        if download is None:
+            return None
+        return S3Body(download, header_from_metadata(key, download.info))
 
     async def contains(self, key: EntryKey) -> bool:
         with http_errors():
