@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import anyio.to_thread
 
@@ -30,10 +30,13 @@ from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
 from app.tiers.write_through import WriteThrough
 
-#: Received chunks are batched into writes of about this size (one thread hop each:
-#: writing from the event loop measured no faster here, and a write can stall behind
-#: a file-system journal commit).
+#: Received chunks are batched into writes of about this size, each in a writer thread
+#: while the next batch is received (a write can stall behind a file-system journal
+#: commit, so never on the event loop).
 WRITE_BATCH_BYTES = 1024 * 1024
+#: Threads that create temp files and write bodies into them (one write in flight per
+#: PUT; more PUTs than threads queue their writes).
+WRITER_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Store:
         self.settings = settings
         self.disk = disk
         self.metrics = metrics
+        self._writer = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="ec-disk-write")
         #: The backend (S3), and the read-through that fills the disk tier from it.
         self.s3 = s3
         self.read_through = (
@@ -106,6 +110,7 @@ class Store:
         if self.s3 is not None:
             await self.s3.stop()
         await anyio.to_thread.run_sync(self.disk.close)
+        await anyio.to_thread.run_sync(self._writer.shutdown)
 
     # -- reads --------------------------------------------------------------------
 
@@ -198,7 +203,8 @@ class Store:
             expected_crc=expected_crc,
             declared_length=declared_length,
         )
-        pending = await anyio.to_thread.run_sync(self.disk.begin_write, key, declared_length)
+        pending = await _in_thread(self._writer, self.disk.begin_write, key, declared_length)
+        body_file = _BodyFile(pending, self._writer)
         try:
             batch: list[bytes] = []
             batched = 0
@@ -213,10 +219,11 @@ class Store:
                 batch.append(chunk)
                 batched += len(chunk)
                 if batched >= WRITE_BATCH_BYTES:
-                    await anyio.to_thread.run_sync(pending.write, batch)
+                    await body_file.write(batch)
                     batch, batched = [], 0
             if batch:
-                await anyio.to_thread.run_sync(pending.write, batch)
+                await body_file.write(batch)
+            await body_file.flush()
             header = validator.finish()
             if stream is not None:
                 created = await self._commit_streamed(stream, key, pending, validator.crc, header)
@@ -225,6 +232,7 @@ class Store:
         finally:
             # Also runs on cancellation (client gone): remove the temp file at once,
             # withdraw the upload.
+            await body_file.settle()
             with contextlib.suppress(OSError):
                 pending.abort()
             if stream is not None:
@@ -403,6 +411,51 @@ class Store:
             checks["s3"] = await self.s3.readiness()
         self.metrics.readiness(all(result == "ok" for result in checks.values()))
         return checks
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def _in_thread(
+    executor: ThreadPoolExecutor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """``fn`` in one of ``executor``'s threads. Shielded: a caller cancelled meanwhile
+    still gets what it made (a temp file), so that it can remove it."""
+    future = executor.submit(fn, *args, **kwargs)
+    with anyio.CancelScope(shield=True):
+        result = await asyncio.wrap_future(future)
+    return result
+
+
+class _BodyFile:
+    """A PUT body's temp file, written in the store's writer threads a batch at a time
+    while the next batch is received: the receive waits for the file system only when
+    the previous batch is still being written (so at most two batches per PUT are held
+    in memory)."""
+
+    def __init__(self, pending: PendingWrite, writer: ThreadPoolExecutor) -> None:
+        self._pending = pending
+        self._writer = writer
+        self._inflight: Future[None] | None = None
+
+    async def write(self, chunks: list[bytes]) -> None:
+        """Start writing ``chunks`` once the batch before them is written."""
+        await self.flush()
+        self._inflight = self._writer.submit(self._pending.write, chunks)
+
+    async def flush(self) -> None:
+        """Wait for the batch being written; raises what its write raised (507)."""
+        if self._inflight is not None:
+            await asyncio.wrap_future(self._inflight)
+            self._inflight = None
+
+    async def settle(self) -> None:
+        """Wait, shielded and ignoring errors, until no write is in flight: only then
+        may the file be closed (its descriptor could be reused under the write)."""
+        if self._inflight is not None and not self._inflight.done():
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([asyncio.wrap_future(self._inflight)])
 
 
 async def _durable(commit: Future[bool]) -> bool:
