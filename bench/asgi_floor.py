@@ -3,7 +3,9 @@
 ``python -m bench.asgi_floor FILE`` (host and port from ``EC_HOST``/``EC_PORT``, like
 the server) answers every GET and HEAD with FILE the least a disk-hit entry read can
 do: open, fstat, mmap, one ``http.response.start`` and one ``http.response.body``
-message. No routing, validation, auth, metrics or logging; the uvicorn options are
+message; and every PUT with 201 once it has received (and dropped) the whole body: the
+receive floor of a PUT, with no file, checksum or sync. No routing, validation, auth,
+metrics or logging; the uvicorn options are
 ``app.__main__.server_options`` (uvloop, the guarded httptools protocol), so the gap
 between this and ec-cache is what ec-cache's own code costs per request.
 """
@@ -33,6 +35,20 @@ def file_app(path: Path):  # type: ignore[no-untyped-def]
                 await send({"type": message["type"] + ".complete"})
                 message = await receive()
             await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["method"] == "PUT":
+            more_body = True
+            while more_body:
+                message = await receive()
+                more_body = message.get("more_body", False)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 201,
+                    "headers": [(b"content-length", b"0")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
             return
         fd = os.open(path, os.O_RDONLY)
         try:

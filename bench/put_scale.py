@@ -6,6 +6,8 @@ benchmark, one keep-alive connection each), every client PUTs new 4.7 MB entries
 back to back to:
 
 * nginx WebDAV (urllib3; temp file + rename, no fsync) — the ceiling;
+* the ASGI floor (``bench.asgi_floor``, urllib3): uvicorn on ec-cache's options
+  receiving and dropping the body — what one uvicorn process can take in at all;
 * ec-cache disk only and ec-cache write-back (S3 = the benchmark's SeaweedFS), each
   through the SDK (``Client.put``: conditional, ``Expect: 100-continue``) and through
   urllib3 (a plain PUT with ``X-EC-CRC32C``: the server's share).
@@ -36,6 +38,7 @@ from bench.services import Services, load_average, wait_upload_queue_empty
 from bench.stats import median, percentile
 
 NGINX = "nginx DAV PUT"
+FLOOR = "ASGI floor PUT (receive only, urllib3)"
 DISK_SDK = "ec-cache SDK PUT, disk only"
 DISK_URLLIB3 = "ec-cache urllib3 PUT, disk only"
 WB_SDK = "ec-cache SDK PUT, write-back"
@@ -44,6 +47,8 @@ CLIENTS = (1, 4, 16)
 #: The issue's target: >= this fraction of nginx's aggregate MB/s at 16 clients.
 TARGET_RATIO = 0.6
 TARGET_CLIENTS = 16
+#: The contenders' server name for the ASGI floor (it stores nothing).
+FLOOR_SERVER = "floor"
 _TICKS = os.sysconf("SC_CLK_TCK")
 _COMMIT_RE = re.compile(r"^(ec_disk_commit_\w+?)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
 
@@ -87,7 +92,7 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     """Aggregate PUT MB/s at 1, 4 and 16 clients: disk only and write-back vs nginx."""
     payload = QUICK_PAYLOADS[1] if plan.quick else FULL_PAYLOADS[1]
     rounds = 1 if plan.quick else 5
-    requests = 8 if plan.quick else 48  # per level and contender
+    requests = 8 if plan.quick else 48  # per level and contender, at least 4 per client
     tensor = payload.tensor(seed=77)
     body = payload.body(tensor)
     crc_hex = to_hex(crc32c(body))
@@ -102,6 +107,9 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
         max_body_bytes="1GiB",
         write_mode="write-back",
     )
+    floor_file = svc.root / "put-scale-floor.safetensors"  # served by GET: unused here
+    floor_file.write_bytes(body)
+    floor_srv = svc.asgi_floor("put-scale", floor_file)
     servers = {"disk": disk_srv, "wb": wb_srv}
     sdk = {
         name: ec_cache.Client(
@@ -114,6 +122,7 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
         for name, srv in servers.items()
     }
     dav = urllib3.HTTPConnectionPool("127.0.0.1", nginx.port, maxsize=most, block=True)
+    floor = urllib3.HTTPConnectionPool("127.0.0.1", floor_srv.port, maxsize=most, block=True)
     counter = itertools.count()
     written: dict[str, list[str]] = {}
 
@@ -126,6 +135,12 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
         response = dav.request("PUT", f"/dav/{new_key('dav')}", body=body)
         if response.status not in (201, 204):
             raise RuntimeError(f"nginx DAV PUT: {response.status}")
+        return len(body)
+
+    def floor_put(_: int, __: int) -> int:
+        response = floor.request("PUT", "/ec/floor", body=body)
+        if response.status != 201:
+            raise RuntimeError(f"ASGI floor PUT: {response.status}")
         return len(body)
 
     def sdk_put(server: str) -> Callable[[int, int], int]:
@@ -153,6 +168,8 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
 
     def cleanup(server: str | None) -> dict[str, Any]:
         extra: dict[str, Any] = {}
+        if server == FLOOR_SERVER:
+            return extra
         label = server or "dav"
         keys, written[label] = written.get(label, []), []
         if server is None:
@@ -167,8 +184,10 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
 
     # label -> (op, server name or None for nginx, pid whose CPU is counted)
     assert nginx.proc is not None and disk_srv.proc is not None and wb_srv.proc is not None
+    assert floor_srv.proc is not None
     contenders: dict[str, tuple[Callable[[int, int], int], str | None, int]] = {
         NGINX: (nginx_put, None, nginx.proc.pid),
+        FLOOR: (floor_put, FLOOR_SERVER, floor_srv.proc.pid),
         DISK_SDK: (sdk_put("disk"), "disk", disk_srv.proc.pid),
         DISK_URLLIB3: (urllib3_put("disk"), "disk", disk_srv.proc.pid),
         WB_SDK: (sdk_put("wb"), "wb", wb_srv.proc.pid),
@@ -177,6 +196,8 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     # Every contender stores the same bytes: check one of each before timing anything.
     for label, (op, server, _) in contenders.items():
         op(0, 0)
+        if server == FLOOR_SERVER:
+            continue  # stores nothing
         key = written[server or "dav"][-1]
         if server is None:
             got = dav.request("GET", f"/dav/{key}").data
@@ -202,7 +223,7 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     }
     try:
         for clients in CLIENTS:
-            per_client = max(2, requests // clients)
+            per_client = max(4, requests // clients)
             for op, _, _ in contenders.values():  # open the connections of this level
                 concurrent(op, clients, 1)
             for _, server, _ in contenders.values():
@@ -216,7 +237,7 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
                     order.reverse()
                 for label in order:
                     op, server, pid = contenders[label]
-                    url = servers[server].url if server else None
+                    url = servers[server].url if server in servers else None
                     commits = _commit_counters(url) if url else {}
                     cpu = _cpu_seconds(pid)
                     wall, seconds, moved = concurrent(op, clients, per_client)
@@ -249,8 +270,9 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     finally:
         for client in sdk.values():
             client.close()
-        for pool in (*pools.values(), dav):
+        for pool in (*pools.values(), dav, floor):
             pool.close()
+        svc.stop_server(floor_srv)
         svc.stop_server(wb_srv)
         svc.stop_server(disk_srv)
     out["loadavg_after"] = load_average()
@@ -300,18 +322,21 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"{section['clients_are']}; every PUT a new {section['entry_bytes'] / 1e6:.3g} MB "
         f"entry; median of {section['rounds']} interleaved rounds of the aggregate MB/s. "
         f"Load {section['loadavg_before']} -> {section['loadavg_after']}. `per batch`: "
-        "entries made durable per group commit (server counter).",
+        "entries made durable per group commit (server counter). `vs floor`: against "
+        "uvicorn receiving and dropping the same bodies (`bench/asgi_floor.py`).",
         "",
-        "| clients | contender | MB/s (aggregate) | vs nginx | p50 ms | p99 ms | "
+        "| clients | contender | MB/s (aggregate) | vs nginx | vs floor | p50 ms | p99 ms | "
         "server CPU s/GB | per batch |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for clients, level in section["levels"].items():
         reference = level[NGINX]["mb_per_s_median"]
+        floor = level.get(FLOOR, {}).get("mb_per_s_median")
         for label, row in level.items():
             mbs = row["mb_per_s_median"]
+            vs_floor = f"{mbs / floor:.2f}x" if floor else "-"
             out.append(
-                f"| {clients} | {label} | {mbs:.0f} | {mbs / reference:.2f}x | "
+                f"| {clients} | {label} | {mbs:.0f} | {mbs / reference:.2f}x | {vs_floor} | "
                 f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
                 f"{row['server_cpu_s_per_gb']:.2f} | {_batch(row['runs'])} |"
             )
