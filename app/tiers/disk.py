@@ -6,7 +6,8 @@ Layout (the name is a digest of the key because hashes may exceed NAME_MAX)::
     {data_dir}/tmp/        in-flight writes, removed at start-up
     {data_dir}/keys.log    "{digest} {model} {dtype} {hash}" per entry (namespaces)
 
-Writes go to ``tmp/``; a finished upload's file is ``fdatasync``ed at once, in
+Writes go to ``tmp/``, each batch's writeback started as it is written (see
+``start_writeback``); a finished upload's file is ``fdatasync``ed at once, in
 parallel with the others, and then published by one committer thread in *group
 commits*: every upload handed over while a batch is being committed joins the next
 one, which renames them into ``objects/``, ``fsync``s each directory it touched once
