@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import anyio.to_thread
 
@@ -34,8 +34,8 @@ from app.tiers.write_through import WriteThrough
 #: while the next batch is received (a write can stall behind a file-system journal
 #: commit, so never on the event loop).
 WRITE_BATCH_BYTES = 1024 * 1024
-#: Threads that create temp files and write bodies into them (one write in flight per
-#: PUT; more PUTs than threads queue their writes).
+#: Threads that create temp files and write bodies into them (one job in flight per
+#: PUT; more PUTs than threads queue their jobs).
 WRITER_THREADS = 16
 
 
@@ -203,9 +203,12 @@ class Store:
             expected_crc=expected_crc,
             declared_length=declared_length,
         )
-        pending = await _in_thread(self._writer, self.disk.begin_write, key, declared_length)
+        # Refused here, before any body byte is read, when it cannot fit; the temp file
+        # is created in a writer thread while the first batch comes in.
+        pending = self.disk.reserve_write(key, declared_length)
         body_file = _BodyFile(pending, self._writer)
         try:
+            body_file.create()
             batch: list[bytes] = []
             batched = 0
             async for chunk in body:
@@ -413,21 +416,6 @@ class Store:
         return checks
 
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-async def _in_thread(
-    executor: ThreadPoolExecutor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
-) -> T:
-    """``fn`` in one of ``executor``'s threads. Shielded: a caller cancelled meanwhile
-    still gets what it made (a temp file), so that it can remove it."""
-    future = executor.submit(fn, *args, **kwargs)
-    with anyio.CancelScope(shield=True):
-        result = await asyncio.wrap_future(future)
-    return result
-
-
 class _BodyFile:
     """A PUT body's temp file, written in the store's writer threads a batch at a time
     while the next batch is received: the receive waits for the file system only when
@@ -439,20 +427,26 @@ class _BodyFile:
         self._writer = writer
         self._inflight: Future[None] | None = None
 
+    def create(self) -> None:
+        """Start creating the file; the first write waits for it."""
+        self._inflight = self._writer.submit(self._pending.create)
+
     async def write(self, chunks: list[bytes]) -> None:
         """Start writing ``chunks`` once the batch before them is written."""
         await self.flush()
         self._inflight = self._writer.submit(self._pending.write, chunks)
 
     async def flush(self) -> None:
-        """Wait for the batch being written; raises what its write raised (507)."""
+        """Wait for the file's creation or the batch being written; raises what that
+        raised (507 for a full disk)."""
         if self._inflight is not None:
             await asyncio.wrap_future(self._inflight)
             self._inflight = None
 
     async def settle(self) -> None:
-        """Wait, shielded and ignoring errors, until no write is in flight: only then
-        may the file be closed (its descriptor could be reused under the write)."""
+        """Wait, shielded and ignoring errors, until neither the file's creation nor a
+        write is in flight: only then may the file be closed and removed (a descriptor
+        closed under a write could be reused by another file)."""
         if self._inflight is not None and not self._inflight.done():
             with anyio.CancelScope(shield=True):
                 await asyncio.wait([asyncio.wrap_future(self._inflight)])

@@ -164,6 +164,11 @@ class PendingWrite:
         if self.expected is None:
             self.tier._reserve(self, total)
 
+    def create(self) -> None:
+        """Create the temp file (see ``DiskTier.reserve_write``)."""
+        fd, name = tempfile.mkstemp(dir=self.tier._tmp, prefix="put-", suffix=".part")
+        self.fd, self.path = fd, Path(name)
+
     def write(self, chunks: Sequence[bytes | memoryview]) -> None:
         """Append ``chunks``. On a full file system, evict least recently used entries
         once per batch, and only when the rest of the body can fit once they are gone:
@@ -216,6 +221,8 @@ class PendingWrite:
         self.done = True
         self.tier._unreserve(self)
         self.tier._committer.finished_writing()
+        if self.fd < 0:
+            return  # its file was never created
         with contextlib.suppress(OSError):
             os.close(self.fd)
         with contextlib.suppress(FileNotFoundError):
@@ -544,15 +551,21 @@ class DiskTier:
     def begin_write(self, key: EntryKey, expected_size: int | None = None) -> PendingWrite:
         """A temp file for a new entry; with ``expected_size``, refused at once (507, or
         503 while other uploads hold the space) when the body cannot fit."""
+        pending = self.reserve_write(key, expected_size)
+        try:
+            pending.create()
+        except BaseException:
+            pending.abort()
+            raise
+        return pending
+
+    def reserve_write(self, key: EntryKey, expected_size: int | None = None) -> PendingWrite:
+        """``begin_write`` without the temp file, which ``PendingWrite.create`` makes
+        (file-system work that can block): quick enough for the event loop, so that a
+        body that cannot fit is refused before any of it is read."""
         pending = PendingWrite(self, key, -1, self._tmp)
         if expected_size is not None:
             self._reserve(pending, expected_size)
-        try:
-            fd, name = tempfile.mkstemp(dir=self._tmp, prefix="put-", suffix=".part")
-        except BaseException:
-            self._unreserve(pending)
-            raise
-        pending.fd, pending.path = fd, Path(name)
         self._committer.started_writing()
         return pending
 

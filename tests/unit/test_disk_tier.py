@@ -232,6 +232,25 @@ def test_in_flight_uploads_reserve_their_space(tmp_path: Path) -> None:
     assert _files(tier.root / "tmp") == []
 
 
+def test_a_reservation_holds_space_before_its_file_exists(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, max_bytes=10**9, statvfs=_FakeFs(free=100_000))
+    tier.rebuild()
+    reserved = tier.reserve_write(_key("first"), 70_000)
+    assert _files(tier.root / "tmp") == []  # no file yet: reserve_write does no file work
+    with pytest.raises(Unavailable):
+        tier.reserve_write(_key("second"), 70_000)
+    reserved.abort()  # never created: nothing to remove, the space is free again
+    assert tier.stats().writes_in_flight == 0
+    second = tier.reserve_write(_key("second"), 70_000)
+    second.create()
+    data = body((1_000,), "U8", 1)
+    second.write([data])
+    assert len(_files(tier.root / "tmp")) == 1
+    assert second.commit(crc32c(data), validate_body(data, "uint8")) is True
+    assert _read(tier, "second") == data
+    assert _files(tier.root / "tmp") == []
+
+
 # -- group commit ---------------------------------------------------------------------
 
 
