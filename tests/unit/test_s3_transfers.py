@@ -1,15 +1,19 @@
 """The S3 backend's pure helpers: CRC32C combine (multipart check), checksum wire form,
-part sizes, upload metadata. The uploads themselves run against S3 in tests/s3."""
+part sizes, upload metadata, the mapped file body. The uploads themselves run against S3
+in tests/s3."""
 
 from __future__ import annotations
 
+import io
 import os
+from pathlib import Path
 
 from app.checksum import crc32c as crc
 from app.tiers.s3.client import METADATA_CRC_KEY, crc32c_from_b64, crc32c_to_b64
 from app.tiers.s3.transfers import (
     MAX_PARTS,
     MIN_PART_SIZE,
+    MappedFileBody,
     crc32c_combine,
     object_metadata,
     part_size_for,
@@ -47,3 +51,19 @@ def test_part_size_grows_to_fit_the_part_limit() -> None:
 def test_object_metadata_carries_the_crc() -> None:
     meta = object_metadata(0xABC, {"EC-Shape": "2,3"})
     assert meta == {"ec-shape": "2,3", METADATA_CRC_KEY: "00000abc"}
+
+
+def test_mapped_file_body_reads_whole_mebibytes_and_replays(tmp_path: Path) -> None:
+    data = os.urandom(2 * MappedFileBody.READ_SIZE + 5)
+    (tmp_path / "f").write_bytes(data)
+    body = MappedFileBody(tmp_path / "f")
+    # urllib3 asks for 16 KiB: each read answers a MiB (the last one the rest), then b"".
+    reads = [bytes(body.read(16384)) for _ in range(4)]
+    assert [len(r) for r in reads] == [MappedFileBody.READ_SIZE] * 2 + [5, 0]
+    assert b"".join(reads) == data
+    assert body.tell() == len(data)
+    assert body.seek(0) == 0  # a retry replays the body from the start
+    assert bytes(body.read()) == data
+    assert body.seek(-5, io.SEEK_END) == len(data) - 5 and bytes(body.read(1)) == data[-5:]
+    (tmp_path / "empty").write_bytes(b"")
+    assert bytes(MappedFileBody(tmp_path / "empty").read(16384)) == b""

