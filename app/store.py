@@ -337,7 +337,11 @@ class Store:
         try:
             # Every PUT stages the (identical) record itself: whichever commits first,
             # its record is durable before its entry is visible (same group commit).
-            record = uploads.stage_record(item)
+            # Creating a file can wait for a journal commit: a writer thread does it, and
+            # the record staged is handed to the commit even if the PUT goes away.
+            staging = self._writer.submit(uploads.stage_record, item)
+            with anyio.CancelScope(shield=True):
+                record = await asyncio.wrap_future(staging)
             return await _durable(pending.submit(crc, header, (record,)))
         finally:
             uploads.release(item, on_disk=self.disk.contains(key))
