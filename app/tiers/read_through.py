@@ -39,6 +39,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, Mapping
+from functools import partial
 from typing import Any, BinaryIO
 
 import anyio.to_thread
@@ -137,8 +138,9 @@ class Fill:
             async with remote:
                 self.size = remote.size
                 expected = remote.crc32c
+                # A copy of the backend's object: not synced (see PendingWrite.durable).
                 pending = await anyio.to_thread.run_sync(
-                    owner.disk.begin_write, self.key, remote.size
+                    partial(owner.disk.begin_write, self.key, remote.size, durable=False)
                 )
                 self._reader_file = open(pending.path, "rb", buffering=0)  # noqa: SIM115
                 validator = BodyValidator(
