@@ -2,7 +2,7 @@
 
 The disk side owns read-through, as bazel-remote's disk cache does with its proxy: this
 module asks the :class:`~app.tiers.base.Backend` for entries and writes them into the
-disk tier through its public API (``begin_write`` / ``PendingWrite``); the backend knows
+disk tier through its public API (``reserve_write`` / ``PendingWrite``); the backend knows
 nothing of the disk.
 
 The first request that misses a key starts one :class:`Fill`: a background task that
@@ -39,7 +39,6 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, Mapping
-from functools import partial
 from typing import Any, BinaryIO
 
 import anyio.to_thread
@@ -138,11 +137,10 @@ class Fill:
             async with remote:
                 self.size = remote.size
                 expected = remote.crc32c
+                # Space is reserved here, so a copy that cannot fit fails before anything
+                # is answered; the file is created in a thread once that answer is out.
                 # A copy of the backend's object: not synced (see PendingWrite.durable).
-                pending = await anyio.to_thread.run_sync(
-                    partial(owner.disk.begin_write, self.key, remote.size, durable=False)
-                )
-                self._reader_file = open(pending.path, "rb", buffering=0)  # noqa: SIM115
+                pending = owner.disk.reserve_write(self.key, remote.size, durable=False)
                 validator = BodyValidator(
                     self.key.dtype,
                     max_bytes=max(remote.size, 1),
@@ -154,6 +152,8 @@ class Fill:
                     # Stored metadata describes the entry: answer now, one round trip
                     # sooner; the body's own header must then say the same (below).
                     self.ready.set_result(EntryInfo(remote.size, remote.crc32c, described, tier))
+                await anyio.to_thread.run_sync(pending.create)
+                self._reader_file = open(pending.path, "rb", buffering=0)  # noqa: SIM115
                 write = pending.write
 
                 def to_disk(chunk: bytes) -> None:  # on the backend's reading thread

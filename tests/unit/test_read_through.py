@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from app.checksum import crc32c
-from app.errors import InvalidBackendObject
+from app.errors import InsufficientStorage, InvalidBackendObject
 from app.keys import EntryKey
 from app.safetensors_format import TensorHeader, validate_body
 from app.tiers.base import Backend, RemoteInfo
@@ -214,3 +214,18 @@ async def test_metadata_that_misdescribes_the_body_fails_the_read_and_caches_not
     await reader.settle(KEY)
     assert not disk.contains(KEY)
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+async def test_an_object_the_disk_tier_cannot_hold_is_refused_before_any_answer(
+    tmp_path: Path,
+) -> None:
+    """The fill reserves its space before the response headers, even when the object's
+    metadata could answer at once: a 507, not a 200 cut short."""
+    backend, disk, reader = setup(tmp_path)
+    data = body((2 << 20,), "U8", 1)  # larger than the 1 MiB tier
+    key = EntryKey.parse("org/model", "uint8", "big")
+    backend.entries[key] = (data, crc32c(data))
+    backend.described[key] = validate_body(data, key.dtype)
+    with pytest.raises(InsufficientStorage):
+        await reader.get(key)
+    assert not disk.contains(key) and list((tmp_path / "tmp").iterdir()) == []
