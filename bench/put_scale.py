@@ -111,6 +111,8 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     floor_file.write_bytes(body)
     floor_srv = svc.asgi_floor("put-scale", floor_file)
     servers = {"disk": disk_srv, "wb": wb_srv}
+    weed = svc.s3().managed
+    s3_pid = weed.proc.pid if weed is not None and weed.proc is not None else None
     sdk = {
         name: ec_cache.Client(
             srv.url, model=MODEL, dtype=DTYPE, limits=ec_cache.Limits(max_keepalive=most)
@@ -240,6 +242,7 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
                     url = servers[server].url if server in servers else None
                     commits = _commit_counters(url) if url else {}
                     cpu = _cpu_seconds(pid)
+                    s3_cpu = _cpu_seconds(s3_pid) if s3_pid is not None else 0.0
                     wall, seconds, moved = concurrent(op, clients, per_client)
                     run: dict[str, Any] = {
                         "wall_s": round(wall, 6),
@@ -248,6 +251,9 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
                         "server_cpu_s": round(_cpu_seconds(pid) - cpu, 3),
                         "raw_seconds": [round(s, 6) for s in seconds],
                     }
+                    if server == "wb" and s3_pid is not None:
+                        # uploads that ran during the timed part, on the same CPUs
+                        run["s3_cpu_s"] = round(_cpu_seconds(s3_pid) - s3_cpu, 3)
                     if url:
                         run["commit"] = _delta(_commit_counters(url), commits)
                     run.update(cleanup(server))
@@ -263,6 +269,11 @@ def put_scale(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
                     "p99_ms": percentile(flat, 99) * 1e3,
                     "requests": len(flat),
                     "server_cpu_s_per_gb": sum(run["server_cpu_s"] for run in runs) / moved_gb,
+                    "s3_cpu_s_per_gb": (
+                        sum(run["s3_cpu_s"] for run in runs) / moved_gb
+                        if all("s3_cpu_s" in run for run in runs)
+                        else None
+                    ),
                     "runs": runs,
                 }
             levels[str(clients)] = level
@@ -323,11 +334,13 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"entry; median of {section['rounds']} interleaved rounds of the aggregate MB/s. "
         f"Load {section['loadavg_before']} -> {section['loadavg_after']}. `per batch`: "
         "entries made durable per group commit (server counter). `vs floor`: against "
-        "uvicorn receiving and dropping the same bodies (`bench/asgi_floor.py`).",
+        "uvicorn receiving and dropping the same bodies (`bench/asgi_floor.py`). `S3 CPU`: "
+        "what SeaweedFS spent, on the same CPUs, taking the write-back uploads that ran "
+        "during the timed part.",
         "",
         "| clients | contender | MB/s (aggregate) | vs nginx | vs floor | p50 ms | p99 ms | "
-        "server CPU s/GB | per batch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "server CPU s/GB | S3 CPU s/GB | per batch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for clients, level in section["levels"].items():
         reference = level[NGINX]["mb_per_s_median"]
@@ -335,10 +348,12 @@ def markdown(results: dict[str, Any]) -> list[str]:
         for label, row in level.items():
             mbs = row["mb_per_s_median"]
             vs_floor = f"{mbs / floor:.2f}x" if floor else "-"
+            s3_cpu = row.get("s3_cpu_s_per_gb")
+            s3_column = f"{s3_cpu:.2f}" if s3_cpu is not None else "-"
             out.append(
                 f"| {clients} | {label} | {mbs:.0f} | {mbs / reference:.2f}x | {vs_floor} | "
                 f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
-                f"{row['server_cpu_s_per_gb']:.2f} | {_batch(row['runs'])} |"
+                f"{row['server_cpu_s_per_gb']:.2f} | {s3_column} | {_batch(row['runs'])} |"
             )
     out.append("")
     return out
