@@ -204,10 +204,8 @@ class Store:
             declared_length=declared_length,
         )
         # Refused here, before any body byte is read, when it cannot fit; the temp file
-        # is created in a writer thread while the first batch comes in. Write-through
-        # commits to disk once S3 holds the entry: that copy need not be synced.
-        write_through = self.s3 is not None and self.uploads is None
-        pending = self.disk.reserve_write(key, declared_length, durable=not write_through)
+        # is created in a writer thread while the first batch comes in.
+        pending = self.disk.reserve_write(key, declared_length)
         body_file = _BodyFile(pending, self._writer)
         try:
             body_file.create()

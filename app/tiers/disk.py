@@ -14,8 +14,8 @@ one, which renames them into ``objects/``, ``fsync``s each directory it touched 
 (one file-system journal commit for the batch) and only then publishes the entries and
 answers their waiters. A crash never leaves a partial entry, readers never see a
 half-written file, and a commit is answered only once its bytes and its directory
-entry are on stable storage; except for copies of what a backend already holds
-(``PendingWrite.durable``), which are never synced. Committed files are immutable; each is served by ``mmap`` and its CRC32C re-verified whenever
+entry are on stable storage. Committed
+files are immutable; each is served by ``mmap`` and its CRC32C re-verified whenever
 its (inode, size, mtime, ctime) changes, so bytes changed on disk are caught and the
 entry dropped. The index lives in memory and is rebuilt from file names at start-up.
 
@@ -148,11 +148,6 @@ class PendingWrite:
     key: EntryKey
     fd: int
     path: Path
-    #: False for a copy of what a backend already holds (a read-through fill, a
-    #: write-through PUT): its commit syncs nothing, since a copy lost or torn by a power
-    #: cut is only a miss (re-read from the backend) or fails its CRC32C check at its
-    #: first read after the restart (every entry is verified once per start).
-    durable: bool = True
     written: int = 0
     done: bool = field(default=False)
     #: The body's whole length once known (Content-Length, or its safetensors header):
@@ -193,8 +188,7 @@ class PendingWrite:
                     ) from None
                 evicted = True
                 continue
-            if self.durable:
-                start_writeback(self.fd, self.written, n)
+            start_writeback(self.fd, self.written, n)
             with self.tier._lock:
                 self.written += n
             while views and n >= len(views[0]):
@@ -346,7 +340,7 @@ class _GroupCommitter:
             syncer = None if self._closed else self._syncer
         # A loser of the first-writer race spares its fsyncs; once closed, the batch
         # syncs (see _commit_batch).
-        if syncer is not None and job.pending.durable and not self._tier.contains(job.pending.key):
+        if syncer is not None and not self._tier.contains(job.pending.key):
             job.data = syncer.submit(job.sync_data, self._tier._commit_metrics)
         with self._cond:
             self._writing -= 1
@@ -554,13 +548,10 @@ class DiskTier:
 
     # -- writes -------------------------------------------------------------------
 
-    def begin_write(
-        self, key: EntryKey, expected_size: int | None = None, *, durable: bool = True
-    ) -> PendingWrite:
+    def begin_write(self, key: EntryKey, expected_size: int | None = None) -> PendingWrite:
         """A temp file for a new entry; with ``expected_size``, refused at once (507, or
-        503 while other uploads hold the space) when the body cannot fit. ``durable``:
-        see ``PendingWrite``."""
-        pending = self.reserve_write(key, expected_size, durable=durable)
+        503 while other uploads hold the space) when the body cannot fit."""
+        pending = self.reserve_write(key, expected_size)
         try:
             pending.create()
         except BaseException:
@@ -568,13 +559,11 @@ class DiskTier:
             raise
         return pending
 
-    def reserve_write(
-        self, key: EntryKey, expected_size: int | None = None, *, durable: bool = True
-    ) -> PendingWrite:
+    def reserve_write(self, key: EntryKey, expected_size: int | None = None) -> PendingWrite:
         """``begin_write`` without the temp file, which ``PendingWrite.create`` makes
         (file-system work that can block): quick enough for the event loop, so that a
         body that cannot fit is refused before any of it is read."""
-        pending = PendingWrite(self, key, -1, self._tmp, durable)
+        pending = PendingWrite(self, key, -1, self._tmp)
         if expected_size is not None:
             self._reserve(pending, expected_size)
         self._committer.started_writing()
@@ -673,7 +662,7 @@ class DiskTier:
                 try:
                     if job.data is not None:
                         job.data.result()
-                    elif job.pending.durable:
+                    else:
                         job.sync_data(self._commit_metrics)
                 except OSError as exc:
                     job.error = exc
@@ -705,20 +694,17 @@ class DiskTier:
         for job in live:
             digest = job.pending.key.digest
             final = self._objects / digest[:2] / f"{digest}.{to_hex(job.crc)}.safetensors"
-            durable = job.pending.durable
             try:
                 if not final.parent.is_dir():
                     final.parent.mkdir(exist_ok=True)
-                    # A new shard directory is itself a new name in objects/: synced
-                    # even for a copy, since durable entries will be renamed into it.
+                    # A new shard directory is itself a new name in objects/.
                     entry_dirs.setdefault(self._objects, []).append(job)
                 os.rename(job.pending.path, final)
             except OSError as exc:
                 job.error = exc
                 continue
             job.final = final
-            if durable:
-                entry_dirs.setdefault(final.parent, []).append(job)
+            entry_dirs.setdefault(final.parent, []).append(job)
         self._sync_dirs(entry_dirs)
         # (4) publish
         published: list[_Commit] = []

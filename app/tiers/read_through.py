@@ -139,8 +139,7 @@ class Fill:
                 expected = remote.crc32c
                 # Space is reserved here, so a copy that cannot fit fails before anything
                 # is answered; the file is created in a thread once that answer is out.
-                # A copy of the backend's object: not synced (see PendingWrite.durable).
-                pending = owner.disk.reserve_write(self.key, remote.size, durable=False)
+                pending = owner.disk.reserve_write(self.key, remote.size)
                 validator = BodyValidator(
                     self.key.dtype,
                     max_bytes=max(remote.size, 1),

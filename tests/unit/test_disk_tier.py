@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -353,48 +352,3 @@ def test_group_commit_syncs_what_was_not_synced_early(
     assert synced == [late_fd]
     assert _read(tier, "k") == second
     assert _files(tier.root / "tmp") == []
-
-
-def test_a_copy_of_a_backend_object_is_committed_without_syncs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """durable=False (read-through fills, write-through PUTs): renamed and published
-    with no fdatasync, and no fsync but that of objects/ when it made a new shard
-    directory (durable entries may be renamed into it later); a durable upload still
-    gets its own. After a restart the copy is checked against its CRC32C first."""
-    tier = DiskTier(tmp_path, max_bytes=100_000)
-    tier.rebuild()
-    synced: list[tuple[str, str]] = []
-
-    def recording(name: str, real: Callable[[int], None]) -> Callable[[int], None]:
-        def sync(fd: int) -> None:
-            synced.append((name, os.readlink(f"/proc/self/fd/{fd}")))
-            real(fd)
-
-        return sync
-
-    monkeypatch.setattr(os, "fdatasync", recording("fdatasync", os.fdatasync))
-    monkeypatch.setattr(os, "fsync", recording("fsync", os.fsync))
-    objects = str(tmp_path / "objects")
-    copy, upload = body((500,), "U8", 1, seed=1), body((500,), "U8", 1, seed=2)
-    fill = tier.begin_write(_key("copy"), len(copy), durable=False)
-    fill.write([copy])
-    assert fill.commit(crc32c(copy), validate_body(copy, "uint8")) is True
-    assert synced in ([], [("fsync", objects)])
-    assert _read(tier, "copy") == copy
-    synced.clear()
-    durable = _begin(tier, "upload", upload)
-    temp = str(durable.path)
-    assert durable.commit(crc32c(upload), validate_body(upload, "uint8")) is True
-    shard = str(tmp_path / "objects" / _key("upload").digest[:2])
-    assert synced[0] == ("fdatasync", temp)
-    assert set(synced[1:]) in ({("fsync", shard)}, {("fsync", shard), ("fsync", objects)})
-    tier.close()
-    # A power cut can leave the copy's name with other bytes: caught after the restart.
-    (path,) = [p for p in _files(tmp_path / "objects") if p.name.startswith(_key("copy").digest)]
-    path.write_bytes(bytes(len(copy)))
-    restarted = DiskTier(tmp_path, max_bytes=100_000)
-    restarted.rebuild()
-    assert _read(restarted, "copy") is None
-    assert _read(restarted, "upload") == upload
-    restarted.close()
