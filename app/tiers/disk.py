@@ -142,7 +142,8 @@ class OpenedEntry:
 
 @dataclass(eq=False)
 class PendingWrite:
-    """A temp file being filled; ``commit`` publishes it, ``abort`` removes it."""
+    """A temp file being filled (made by ``create``, after ``DiskTier.reserve_write``);
+    ``commit`` publishes it, ``abort`` removes it."""
 
     tier: DiskTier
     key: EntryKey
