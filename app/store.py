@@ -26,6 +26,7 @@ from app.safetensors_format import BodyValidator, TensorHeader
 from app.settings import Settings, WriteMode
 from app.tiers.base import Backend, EntryBody, EntryInfo
 from app.tiers.disk import DiskTier, PendingWrite
+from app.tiers.overlapped import OverlappedWrite
 from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
 from app.tiers.write_through import WriteThrough
@@ -65,7 +66,7 @@ class Store:
         #: The backend (S3), and the read-through that fills the disk tier from it.
         self.s3 = s3
         self.read_through = (
-            ReadThrough(s3, disk, metrics.registry, settings.s3_get_chunk_size)
+            ReadThrough(s3, disk, self._writer, metrics.registry, settings.s3_get_chunk_size)
             if s3 is not None
             else None
         )
@@ -206,7 +207,7 @@ class Store:
         # Refused here, before any body byte is read, when it cannot fit; the temp file
         # is created in a writer thread while the first batch comes in.
         pending = self.disk.reserve_write(key, declared_length)
-        body_file = _BodyFile(pending, self._writer)
+        body_file = OverlappedWrite(pending, self._writer)
         try:
             body_file.create()
             batch: list[bytes] = []
@@ -418,42 +419,6 @@ class Store:
             checks["s3"] = await self.s3.readiness()
         self.metrics.readiness(all(result == "ok" for result in checks.values()))
         return checks
-
-
-class _BodyFile:
-    """A PUT body's temp file, written in the store's writer threads a batch at a time
-    while the next batch is received: the receive waits for the file system only when
-    the previous batch is still being written (so at most two batches per PUT are held
-    in memory)."""
-
-    def __init__(self, pending: PendingWrite, writer: ThreadPoolExecutor) -> None:
-        self._pending = pending
-        self._writer = writer
-        self._inflight: Future[None] | None = None
-
-    def create(self) -> None:
-        """Start creating the file; the first write waits for it."""
-        self._inflight = self._writer.submit(self._pending.create)
-
-    async def write(self, chunks: list[bytes]) -> None:
-        """Start writing ``chunks`` once the batch before them is written."""
-        await self.flush()
-        self._inflight = self._writer.submit(self._pending.write, chunks)
-
-    async def flush(self) -> None:
-        """Wait for the file's creation or the batch being written; raises what that
-        raised (507 for a full disk)."""
-        if self._inflight is not None:
-            await asyncio.wrap_future(self._inflight)
-            self._inflight = None
-
-    async def settle(self) -> None:
-        """Wait, shielded and ignoring errors, until neither the file's creation nor a
-        write is in flight: only then may the file be closed and removed (a descriptor
-        closed under a write could be reused by another file)."""
-        if self._inflight is not None and not self._inflight.done():
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait([asyncio.wrap_future(self._inflight)])
 
 
 async def _durable(commit: Future[bool]) -> bool:

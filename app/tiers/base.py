@@ -12,7 +12,7 @@ answer is unknown, 502 otherwise).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -75,11 +75,7 @@ class RemoteInfo:
 
 class RemoteBody(Protocol):
     """An open read of a backend entry: size (and CRC32C, when stored) known, body in
-    chunks. Chunks raise ``ECError`` when the read breaks; ``aclose`` always.
-
-    ``chunks(sink)`` calls ``sink(chunk)`` on the thread that read the chunk, before
-    yielding it (the read-through writes it to disk there, saving a thread hop per
-    chunk); an exception from ``sink`` ends the iteration with it."""
+    chunks. Chunks raise ``ECError`` when the read breaks; ``aclose`` always."""
 
     size: int
     crc32c: int | None
@@ -87,7 +83,7 @@ class RemoteBody(Protocol):
     #: tell); the read-through answers from it before the first body byte arrives.
     header: TensorHeader | None
 
-    def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]: ...
+    def chunks(self) -> AsyncIterator[bytes]: ...
 
     async def aclose(self) -> None: ...
 

@@ -13,10 +13,11 @@ one that started it and any that join — follows the fill at its own pace. It g
 response headers as soon as the backend's answer describes the entry (its stored
 metadata, which the body's safetensors header must then match), else as soon as that
 header has arrived (the backend's first read is small: one round trip and a few KiB).
-Then it gets each chunk **from memory** as soon as it arrived, was written to the temp
-file (on the backend's reading thread, no extra thread hop) and validated (the fill
-keeps the last ``RECENT_BYTES`` received); a reader that falls further behind reads the
-rest back from the temp file. So N concurrent misses make exactly one backend GET,
+Then it gets each chunk **from memory** as soon as it arrived and was validated (the
+fill keeps the last ``RECENT_BYTES`` received), while the store's writer threads write it
+to the temp file (``OverlappedWrite``: one chunk in flight, so the backend's reads and
+the disk's writes overlap and neither waits for the clients); a reader that falls
+further behind reads the rest back from the temp file. So N concurrent misses make exactly one backend GET,
 nobody waits for the whole object before the first byte, memory per fill is bounded,
 and a slow or vanished client neither slows nor stops the fill (the disk tier is filled
 anyway).
@@ -39,6 +40,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import anyio.to_thread
@@ -58,6 +60,7 @@ from app.metrics import ReadThroughMetrics
 from app.safetensors_format import BodyValidator, TensorHeader
 from app.tiers.base import Backend, EntryBody, EntryInfo
 from app.tiers.disk import DiskTier, PendingWrite
+from app.tiers.overlapped import OverlappedWrite
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +128,12 @@ class Fill:
         what = tier.upper()
         fills = owner.metrics.fills
         pending: PendingWrite | None = None
+        file: OverlappedWrite | None = None
         validator: BodyValidator | None = None
         expected: int | None = None
+        # Reported only once the temp file is gone, so whoever sees the failure also
+        # sees nothing left behind.
+        failure: BaseException | None = None
         try:
             remote = await owner.backend.open(self.key)
             if remote is None:
@@ -151,16 +158,10 @@ class Fill:
                     # Stored metadata describes the entry: answer now, one round trip
                     # sooner; the body's own header must then say the same (below).
                     self.ready.set_result(EntryInfo(remote.size, remote.crc32c, described, tier))
-                await anyio.to_thread.run_sync(pending.create)
-                self._reader_file = open(pending.path, "rb", buffering=0)  # noqa: SIM115
-                write = pending.write
-
-                def to_disk(chunk: bytes) -> None:  # on the backend's reading thread
-                    write((chunk,))
-
-                async for chunk in remote.chunks(to_disk):
+                file = OverlappedWrite(pending, owner.writer)
+                file.create()
+                async for chunk in remote.chunks():
                     validator.feed(chunk)
-                    self._written += len(chunk)
                     if validator.header is not None and not self.ready.done():
                         if remote.crc32c is not None:
                             self.ready.set_result(
@@ -171,12 +172,17 @@ class Fill:
                             f"its safetensors header says {_describe(validator.header)} "
                             f"but its metadata says {_describe(described)}"
                         )
-                    # Readers get the chunk from memory; the file serves who fell behind.
+                    # Readers get the chunk from memory at once, while it is written; the
+                    # file serves those who fell behind.
                     self._remember(chunk)
                     self._notify()
+                    await file.write((chunk,))  # returns once the chunk before is written
+                    self._on_disk(pending)
                 header = validator.finish()  # length and CRC32C
                 self.verified.set_result(None)
                 self._notify()
+                await file.flush()
+                self._on_disk(pending)
             created = await anyio.to_thread.run_sync(pending.commit, validator.crc, header)
             fills.labels("committed" if created else "exists").inc()
             if not self.ready.done():  # no CRC in the object's metadata: known only now
@@ -184,7 +190,7 @@ class Fill:
             self.finished.set_result(True)
             self._notify()
         except asyncio.CancelledError:
-            self._fail(Unavailable(f"the {what} read was cancelled (server shutting down)"))
+            failure = Unavailable(f"the {what} read was cancelled (server shutting down)")
             raise
         except ECError as exc:
             fills.labels("failed").inc()
@@ -202,17 +208,29 @@ class Fill:
                 exc = InvalidBackendObject(
                     f"{what} object for {self.key} is not a valid entry: {why}"
                 )
-            self._fail(exc)
+            failure = exc
         except Exception as exc:
             log.exception("%s fill of %s failed", what, self.key)
             fills.labels("failed").inc()
-            self._fail(BackendError(f"{what} tier failed: {type(exc).__name__}: {exc}"))
+            failure = BackendError(f"{what} tier failed: {type(exc).__name__}: {exc}")
         finally:
+            if file is not None:
+                await file.settle()
             if pending is not None:
                 with contextlib.suppress(OSError):
                     pending.abort()
+            if failure is not None:
+                self._fail(failure)
             owner._fill_done(self)
             self._maybe_close()
+
+    def _on_disk(self, pending: PendingWrite) -> None:
+        """Let readers behind the memory window read what is written by now."""
+        if self._reader_file is None and pending.fd >= 0:
+            self._reader_file = open(pending.path, "rb", buffering=0)  # noqa: SIM115
+        if pending.written > self._written:
+            self._written = pending.written
+            self._notify()
 
     def _remember(self, chunk: bytes) -> None:
         self._recent.append((self._received, chunk))
@@ -306,10 +324,17 @@ class ReadThrough:
     docstring."""
 
     def __init__(
-        self, backend: Backend, disk: DiskTier, registry: CollectorRegistry, chunk_size: int
+        self,
+        backend: Backend,
+        disk: DiskTier,
+        writer: ThreadPoolExecutor,
+        registry: CollectorRegistry,
+        chunk_size: int,
     ) -> None:
         self.backend = backend
         self.disk = disk
+        #: The threads that write fills to disk (shared with the store's PUTs).
+        self.writer = writer
         self.chunk_size = chunk_size
         self.metrics = ReadThroughMetrics(registry)
         self._fills: dict[str, Fill] = {}

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -17,7 +18,7 @@ from app.checksum import crc32c
 from app.errors import InsufficientStorage, InvalidBackendObject
 from app.keys import EntryKey
 from app.safetensors_format import TensorHeader, validate_body
-from app.tiers.base import Backend, RemoteInfo
+from app.tiers.base import Backend, RemoteInfo, RemotePut
 from app.tiers.disk import DiskTier
 from app.tiers.read_through import ReadThrough
 from tests.support.entries import body
@@ -37,13 +38,10 @@ class MemoryBody:
         self.data, self.size, self.crc32c, self.gate = data, len(data), crc, gate
         self.header: TensorHeader | None = None
 
-    async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes]:
         for start in range(0, self.size, 100):
             await self.gate.wait()
-            chunk = self.data[start : start + 100]
-            if sink is not None:
-                sink(chunk)
-            yield chunk
+            yield self.data[start : start + 100]
 
     async def aclose(self) -> None:
         pass
@@ -96,6 +94,11 @@ class MemoryBackend:
     ) -> None:
         self.entries[key] = (Path(path).read_bytes(), crc32c)
 
+    def begin_put(
+        self, key: EntryKey, size: int, crc32c: int, header: TensorHeader
+    ) -> RemotePut | None:
+        return None  # every upload goes through put_file
+
     async def delete(self, key: EntryKey) -> None:
         self.entries.pop(key, None)
 
@@ -127,12 +130,20 @@ class MemoryBackend:
         return {}
 
 
-def setup(tmp_path: Path) -> tuple[MemoryBackend, DiskTier, ReadThrough]:
+@pytest.fixture
+def writer() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2, thread_name_prefix="test-fill-write") as pool:
+        yield pool
+
+
+def setup(
+    tmp_path: Path, writer: ThreadPoolExecutor
+) -> tuple[MemoryBackend, DiskTier, ReadThrough]:
     backend = MemoryBackend()
     as_backend: Backend = backend  # the fake satisfies the interface (checked by mypy)
     disk = DiskTier(tmp_path, 1 << 20)
     disk.rebuild()
-    return backend, disk, ReadThrough(as_backend, disk, CollectorRegistry(), 256)
+    return backend, disk, ReadThrough(as_backend, disk, writer, CollectorRegistry(), 256)
 
 
 async def read(reader: ReadThrough, key: EntryKey) -> bytes:
@@ -141,8 +152,10 @@ async def read(reader: ReadThrough, key: EntryKey) -> bytes:
     return b"".join([chunk async for chunk in entry.chunks])
 
 
-async def test_concurrent_misses_make_one_read_and_fill_the_disk(tmp_path: Path) -> None:
-    backend, disk, reader = setup(tmp_path)
+async def test_concurrent_misses_make_one_read_and_fill_the_disk(
+    tmp_path: Path, writer: ThreadPoolExecutor
+) -> None:
+    backend, disk, reader = setup(tmp_path, writer)
     data = body((8, 16))
     backend.entries[KEY] = (data, crc32c(data))
     backend.gate.clear()  # hold the body until every reader joined
@@ -157,8 +170,10 @@ async def test_concurrent_misses_make_one_read_and_fill_the_disk(tmp_path: Path)
     assert await reader.get(EntryKey.parse("org/model", "float32", "absent")) is None
 
 
-async def test_corrupt_body_is_refused_and_not_cached(tmp_path: Path) -> None:
-    backend, disk, reader = setup(tmp_path)
+async def test_corrupt_body_is_refused_and_not_cached(
+    tmp_path: Path, writer: ThreadPoolExecutor
+) -> None:
+    backend, disk, reader = setup(tmp_path, writer)
     data = body((8, 16))
     backend.entries[KEY] = (data, crc32c(data) ^ 1)
     with pytest.raises(InvalidBackendObject, match="not a valid entry"):
@@ -167,8 +182,10 @@ async def test_corrupt_body_is_refused_and_not_cached(tmp_path: Path) -> None:
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
-async def test_head_without_a_stored_crc_fills_once(tmp_path: Path) -> None:
-    backend, disk, reader = setup(tmp_path)
+async def test_head_without_a_stored_crc_fills_once(
+    tmp_path: Path, writer: ThreadPoolExecutor
+) -> None:
+    backend, disk, reader = setup(tmp_path, writer)
     data = body((4, 4))
     backend.entries[KEY] = (data, None)
     info = await reader.head(KEY)
@@ -182,9 +199,9 @@ async def test_head_without_a_stored_crc_fills_once(tmp_path: Path) -> None:
 
 
 async def test_an_entry_its_metadata_describes_is_answered_before_its_body(
-    tmp_path: Path,
+    tmp_path: Path, writer: ThreadPoolExecutor
 ) -> None:
-    backend, disk, reader = setup(tmp_path)
+    backend, disk, reader = setup(tmp_path, writer)
     data = body((8, 16))
     backend.entries[KEY] = (data, crc32c(data))
     backend.described[KEY] = validate_body(data, KEY.dtype)
@@ -200,9 +217,9 @@ async def test_an_entry_its_metadata_describes_is_answered_before_its_body(
 
 
 async def test_metadata_that_misdescribes_the_body_fails_the_read_and_caches_nothing(
-    tmp_path: Path,
+    tmp_path: Path, writer: ThreadPoolExecutor
 ) -> None:
-    backend, disk, reader = setup(tmp_path)
+    backend, disk, reader = setup(tmp_path, writer)
     data = body((8, 16))
     backend.entries[KEY] = (data, crc32c(data))
     real = validate_body(data, KEY.dtype)
@@ -217,11 +234,11 @@ async def test_metadata_that_misdescribes_the_body_fails_the_read_and_caches_not
 
 
 async def test_an_object_the_disk_tier_cannot_hold_is_refused_before_any_answer(
-    tmp_path: Path,
+    tmp_path: Path, writer: ThreadPoolExecutor
 ) -> None:
     """The fill reserves its space before the response headers, even when the object's
     metadata could answer at once: a 507, not a 200 cut short."""
-    backend, disk, reader = setup(tmp_path)
+    backend, disk, reader = setup(tmp_path, writer)
     data = body((2 << 20,), "U8", 1)  # larger than the 1 MiB tier
     key = EntryKey.parse("org/model", "uint8", "big")
     backend.entries[key] = (data, crc32c(data))

@@ -1,8 +1,9 @@
 """The S3 backend (any S3-compatible endpoint), in small modules:
 
 * ``errors``: :class:`S3Error` / :class:`S3Unavailable` and the mapping of botocore failures;
-* ``client``: the boto3 client of one bucket: thread pool, metrics, circuit breaker,
+* ``client``: the S3 client of one bucket: thread pool, metrics, circuit breaker,
   streaming download (object keys only);
+* ``signed_get``: the read path's GET, signed by hand on boto3's connection pool;
 * ``transfers``: single and multipart uploads with CRC32C checks;
 * ``readiness``: bucket creation and the operator's diagnosis for ``/readyz``;
 * ``backend``: :class:`S3Backend`, the :class:`app.tiers.base.Backend` the store uses

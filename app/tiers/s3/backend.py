@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 
 from prometheus_client import CollectorRegistry
@@ -99,9 +99,9 @@ class S3Body:
         self.crc32c = download.info.crc32c
         self.header = header
 
-    async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes]:
         with http_errors():
-            async for chunk in self._download.chunks(sink):
+            async for chunk in self._download.chunks():
                 yield chunk
 
     async def aclose(self) -> None:

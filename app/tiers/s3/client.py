@@ -1,10 +1,11 @@
-"""The boto3 client of one bucket: calls off the event loop, metrics, errors, breaker.
+"""The S3 client of one bucket: calls off the event loop, metrics, errors, breaker.
 
 boto3 is synchronous; every call runs on a dedicated thread pool (sized like the HTTP
 connection pool) so the event loop never blocks. :meth:`S3Client.call` is the one way a
 call is made: it counts and times it, maps its failure onto :class:`S3Error` /
 :class:`S3Unavailable` (``errors``) and answers ``None`` for a missing object where the
-caller allows it.
+caller allows it. Every call is a boto3 call except the read path's GET (:meth:`open`),
+which is ``signed_get``'s lean signed request on boto3's connection pool.
 
 After an :class:`S3Unavailable`, calls fail fast for ``EC_S3_UNAVAILABLE_COOLDOWN``
 seconds (a tiny circuit breaker) so a dead endpoint costs each request no more than one
@@ -37,11 +38,13 @@ from app import wire
 from app.metrics import S3Metrics
 from app.settings import Settings
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
+from app.tiers.s3.signed_get import SignedGet
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+METADATA_HEADER = "x-amz-meta-"
 METADATA_CRC_KEY = "ec-crc32c"  # sent as x-amz-meta-ec-crc32c
 #: The first read of a GET body (then reads grow x8 up to ``EC_S3_GET_CHUNK_SIZE``).
 FIRST_READ_BYTES = 64 * 1024
@@ -86,6 +89,22 @@ def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
     if checksum and "-" not in checksum:  # "...-N" is a composite multipart checksum
         return crc32c_from_b64(checksum)
     return None
+
+
+def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:
+    """``_info_from_response`` for the raw headers of a GET (``signed_get``)."""
+    metadata = {
+        name.lower()[len(METADATA_HEADER) :]: value
+        for name, value in headers.items()
+        if name.lower().startswith(METADATA_HEADER)
+    }
+    return ObjectInfo(
+        key=key,
+        size=int(headers.get("content-length", 0)),
+        crc32c=_parse_crc(metadata, headers.get("x-amz-checksum-crc32c")),
+        etag=headers.get("etag"),
+        metadata=metadata,
+    )
 
 
 def _info_from_response(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
@@ -133,14 +152,10 @@ class S3Download:
     ) -> None:
         await self.aclose()
 
-    def _pump(
-        self,
-        sink: Callable[[bytes], None] | None,
-        post: Callable[[bytes | BaseException | None], None],
-    ) -> None:
+    def _pump(self, post: Callable[[bytes | BaseException | None], None]) -> None:
         """On a pool thread: read the body to its end (or until closed), passing each
-        chunk to ``sink`` and then to ``post``; ``post(None)`` at the end, or the
-        exception that stopped it."""
+        chunk to ``post``; ``post(None)`` at the end, or the exception that stopped
+        it."""
         # The first read is small, so the safetensors header (and with it the response
         # headers of a read-through) is known after one round trip; later reads grow
         # to EC_S3_GET_CHUNK_SIZE.
@@ -157,16 +172,13 @@ class S3Download:
                 if not data:
                     post(None)
                     return
-                if sink is not None:
-                    sink(data)
                 post(data)
                 size = min(size * 8, self._s3.settings.s3_get_chunk_size)
         except BaseException as exc:
             post(exc)
 
-    async def chunks(self, sink: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
-        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes, each passed
-        to ``sink`` first on the pool thread that read it. Raises :class:`S3Unavailable`
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises :class:`S3Unavailable`
         when the connection breaks mid-body (the body is then incomplete and must not be
         used)."""
         if self._closed or self._job is not None:
@@ -178,7 +190,7 @@ class S3Download:
         def post(item: bytes | BaseException | None) -> None:
             loop.call_soon_threadsafe(arrived.put_nowait, item)
 
-        self._job = loop.run_in_executor(self._s3.executor, self._pump, sink, post)
+        self._job = loop.run_in_executor(self._s3.executor, self._pump, post)
         try:
             while True:
                 item = await arrived.get()
@@ -195,7 +207,9 @@ class S3Download:
             metrics.requests.labels("get_body", "unavailable").inc()
             raise
         if self._received != self.info.size:
-            metrics.requests.labels("get_body", "error").inc()
+            # The connection closed early (a reset or an outage seen as a short body).
+            self._s3.mark_unavailable()
+            metrics.requests.labels("get_body", "unavailable").inc()
             raise S3Unavailable(
                 f"S3 get of {self.info.key}: body ended after {self._received} of "
                 f"{self.info.size} bytes"
@@ -326,6 +340,10 @@ class S3Client:
                 **common,
             ),
         )
+        #: The read path's GET (``open``): boto3's pool and settings, not its pipeline.
+        self._get = SignedGet(
+            self.client, self.bucket, session.get_credentials(), settings.s3_max_attempts
+        )
         self._lock = threading.Lock()
         self._unavailable_until = 0.0
         self._last_unavailable: str | None = None
@@ -434,14 +452,11 @@ class S3Client:
     async def open(self, key: str) -> S3Download | None:
         """Start a GET: ``None`` when the object does not exist, else an open download
         whose headers (size, CRC32C) are known and whose body is still on the wire."""
-        resp = await self.call(
-            "get",
-            lambda: self.client.get_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"),
-            not_found_ok=True,
-        )
-        if resp is None:
+        answer = await self.call("get", lambda: self._get.get(key), not_found_ok=True)
+        if answer is None:
             return None
-        return S3Download(self, _info_from_response(key, resp), resp["Body"])
+        headers, body = answer
+        return S3Download(self, _info_from_headers(key, headers), body)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes | None:
         """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``

@@ -1,4 +1,5 @@
-"""The S3 backend's two error types and the one mapping of botocore failures onto them.
+"""The S3 backend's two error types and the one mapping of botocore (and urllib3) failures
+onto them.
 
 :class:`S3Unavailable`: connection refused or reset, timeouts, 5xx, throttling (the server
 answers 503 with ``Retry-After``). :class:`S3Error`: everything else (credentials,
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import botocore.exceptions as bce
+import urllib3.exceptions
 
 
 class S3Error(Exception):
@@ -40,19 +42,16 @@ class S3Unavailable(S3Error):
         self.retry_after = retry_after
 
 
-_UNAVAILABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "ServiceUnavailable",
-        "InternalError",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",  # clock skew is not ours to fix, but it is transient-ish
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequests",
-    }
+_THROTTLING_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}
 )
+
+_UNAVAILABLE_CODES = _THROTTLING_CODES | {
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",  # clock skew is not ours to fix, but it is transient-ish
+}
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
@@ -74,6 +73,14 @@ def is_not_found(exc: BaseException) -> bool:
     return code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchBucket")
 
 
+def is_throttling(exc: BaseException) -> bool:
+    """S3 asked to slow down (429, or a throttling error code)."""
+    if not isinstance(exc, bce.ClientError):
+        return False
+    code, status, _ = client_error_info(exc)
+    return status == 429 or code in _THROTTLING_CODES
+
+
 def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S3Error:
     """Translate a botocore/urllib3 exception into :class:`S3Unavailable` or
     :class:`S3Error`. Already-mapped errors pass through unchanged."""
@@ -91,6 +98,7 @@ def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S
         | bce.HTTPClientError
         | bce.ResponseStreamingError
         | bce.IncompleteReadError
+        | urllib3.exceptions.HTTPError  # a body read straight from urllib3 (signed_get)
         | ConnectionError
         | TimeoutError,
     ):
