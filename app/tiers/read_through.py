@@ -14,13 +14,13 @@ response headers as soon as the backend's answer describes the entry (its stored
 metadata, which the body's safetensors header must then match), else as soon as that
 header has arrived (the backend's first read is small: one round trip and a few KiB).
 Then it gets each chunk **from memory** as soon as it arrived and was validated (the
-fill keeps the last ``RECENT_BYTES`` received), while the store's writer threads write it
-to the temp file (``OverlappedWrite``: one chunk in flight, so the backend's reads and
-the disk's writes overlap and neither waits for the clients); a reader that falls
-further behind reads the rest back from the temp file. So N concurrent misses make exactly one backend GET,
-nobody waits for the whole object before the first byte, memory per fill is bounded,
-and a slow or vanished client neither slows nor stops the fill (the disk tier is filled
-anyway).
+fill keeps the last ``RECENT_BYTES`` received), while the store's writer threads write
+it to the temp file (``OverlappedWrite``: one chunk in flight, so the backend's reads
+and the disk's writes overlap and neither waits for the clients); a reader that falls
+further behind reads the rest back from the temp file. So N concurrent misses make
+exactly one backend GET, nobody waits for the whole object before the first byte,
+memory per fill is bounded, and a slow or vanished client neither slows nor stops the
+fill (the disk tier is filled anyway).
 
 The last chunk is only released after the fill verified the length and CRC32C of the
 whole body, and the entry is committed to disk only then: a corrupt object is never

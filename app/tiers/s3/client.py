@@ -93,10 +93,11 @@ def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
 
 def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:
     """``_info_from_response`` for the raw headers of a GET (``signed_get``)."""
+    lowered = ((name.lower(), value) for name, value in headers.items())
     metadata = {
-        name.lower()[len(METADATA_HEADER) :]: value
-        for name, value in headers.items()
-        if name.lower().startswith(METADATA_HEADER)
+        name[len(METADATA_HEADER) :]: value
+        for name, value in lowered
+        if name.startswith(METADATA_HEADER)
     }
     return ObjectInfo(
         key=key,
@@ -178,9 +179,9 @@ class S3Download:
             post(exc)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises :class:`S3Unavailable`
-        when the connection breaks mid-body (the body is then incomplete and must not be
-        used)."""
+        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
+        :class:`S3Unavailable` when the connection breaks mid-body (the body is then
+        incomplete and must not be used)."""
         if self._closed or self._job is not None:
             raise RuntimeError("download already closed or being read")
         loop = asyncio.get_running_loop()
