@@ -15,9 +15,9 @@ metadata, which the body's safetensors header must then match), else as soon as 
 header has arrived (the backend's first read is small: one round trip and a few KiB).
 Then it gets each chunk **from memory** as soon as it arrived and was validated (the
 fill keeps the last ``RECENT_BYTES`` received), while the store's writer threads write
-it to the temp file (``OverlappedWrite``: one chunk in flight, so the backend's reads
-and the disk's writes overlap and neither waits for the clients); a reader that falls
-further behind reads the rest back from the temp file. So N concurrent misses make
+it to the temp file (``OverlappedWrite``, up to ``RECENT_BYTES`` behind: readers get
+the body at the backend's pace, not the disk's, and neither waits for the clients); a
+reader that falls further behind reads the rest back from the temp file. So N concurrent misses make
 exactly one backend GET, nobody waits for the whole object before the first byte,
 memory per fill is bounded, and a slow or vanished client neither slows nor stops the
 fill (the disk tier is filled anyway).
@@ -158,7 +158,14 @@ class Fill:
                     # Stored metadata describes the entry: answer now, one round trip
                     # sooner; the body's own header must then say the same (below).
                     self.ready.set_result(EntryInfo(remote.size, remote.crc32c, described, tier))
-                file = OverlappedWrite(pending, owner.writer)
+                # The disk may fall behind by as much as readers are served from
+                # memory: they get the body at the backend's pace, not the disk's.
+                file = OverlappedWrite(
+                    pending,
+                    owner.writer,
+                    behind=RECENT_BYTES,
+                    on_written=lambda: self._on_disk(pending),
+                )
                 file.create()
                 async for chunk in remote.chunks():
                     validator.feed(chunk)
@@ -176,13 +183,11 @@ class Fill:
                     # file serves those who fell behind.
                     self._remember(chunk)
                     self._notify()
-                    await file.write((chunk,))  # returns once the chunk before is written
-                    self._on_disk(pending)
+                    await file.write((chunk,))
                 header = validator.finish()  # length and CRC32C
                 self.verified.set_result(None)
                 self._notify()
                 await file.flush()
-                self._on_disk(pending)
             created = await anyio.to_thread.run_sync(pending.commit, validator.crc, header)
             fills.labels("committed" if created else "exists").inc()
             if not self.ready.done():  # no CRC in the object's metadata: known only now

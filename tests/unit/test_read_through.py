@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,8 +19,9 @@ from app.checksum import crc32c
 from app.errors import InsufficientStorage, InvalidBackendObject
 from app.keys import EntryKey
 from app.safetensors_format import TensorHeader, validate_body
+from app.tiers import read_through
 from app.tiers.base import Backend, RemoteInfo, RemotePut
-from app.tiers.disk import DiskTier
+from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.read_through import ReadThrough
 from tests.support.entries import body
 
@@ -34,14 +36,17 @@ def anyio_backend() -> str:
 
 
 class MemoryBody:
-    def __init__(self, data: bytes, crc: int | None, gate: asyncio.Event) -> None:
-        self.data, self.size, self.crc32c, self.gate = data, len(data), crc, gate
+    def __init__(self, backend: MemoryBackend, data: bytes, crc: int | None) -> None:
+        self.backend = backend
+        self.data, self.size, self.crc32c = data, len(data), crc
         self.header: TensorHeader | None = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         for start in range(0, self.size, 100):
-            await self.gate.wait()
-            yield self.data[start : start + 100]
+            await self.backend.gate.wait()
+            chunk = self.data[start : start + 100]
+            self.backend.yielded += len(chunk)
+            yield chunk
 
     async def aclose(self) -> None:
         pass
@@ -59,13 +64,15 @@ class MemoryBody:
 
 
 class MemoryBackend:
-    """Entries in a dict; ``opens`` counts body reads, ``gate`` holds them back."""
+    """Entries in a dict; ``opens`` counts body reads, ``yielded`` the bytes they
+    yielded, ``gate`` holds them back."""
 
     name = "s3"
 
     def __init__(self) -> None:
         self.entries: dict[EntryKey, tuple[bytes, int | None]] = {}
         self.opens = 0
+        self.yielded = 0
         self.gate = asyncio.Event()
         self.gate.set()
         #: Headers that stored metadata describes (``RemoteBody.header``), per entry.
@@ -82,7 +89,7 @@ class MemoryBackend:
             return None
         self.opens += 1
         data, crc = self.entries[key]
-        opened = MemoryBody(data, crc, self.gate)
+        opened = MemoryBody(self, data, crc)
         opened.header = self.described.get(key)
         return opened
 
@@ -246,3 +253,54 @@ async def test_an_object_the_disk_tier_cannot_hold_is_refused_before_any_answer(
     with pytest.raises(InsufficientStorage):
         await reader.get(key)
     assert not disk.contains(key) and list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.fixture
+def stalled_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Every fill write waits (in its writer thread) until the event is set."""
+    release = threading.Event()
+    write = PendingWrite.write
+
+    def stalled(self: PendingWrite, chunks: Sequence[bytes | memoryview]) -> None:
+        if not release.wait(10):
+            raise TimeoutError("the test never released the disk")
+        write(self, chunks)
+
+    monkeypatch.setattr(PendingWrite, "write", stalled)
+    yield release
+    release.set()
+
+
+async def test_readers_get_the_body_at_the_backends_pace_not_the_disks(
+    tmp_path: Path, writer: ThreadPoolExecutor, stalled_disk: threading.Event
+) -> None:
+    backend, disk, reader = setup(tmp_path, writer)
+    data = body((8, 16))
+    backend.entries[KEY] = (data, crc32c(data))
+    assert await asyncio.wait_for(read(reader, KEY), 5) == data  # nothing written yet
+    assert not disk.contains(KEY)
+    stalled_disk.set()
+    await reader.settle(KEY)
+    opened = disk.open(KEY)
+    assert opened is not None and bytes(opened.view) == data
+
+
+async def test_a_fill_stops_reading_when_the_disk_falls_too_far_behind(
+    tmp_path: Path,
+    writer: ThreadPoolExecutor,
+    stalled_disk: threading.Event,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(read_through, "RECENT_BYTES", 1000)
+    backend, disk, reader = setup(tmp_path, writer)
+    data = body((64, 64))  # 16 KiB, read in 100-byte chunks
+    backend.entries[KEY] = (data, crc32c(data))
+    reading = asyncio.create_task(read(reader, KEY))
+    await asyncio.sleep(0.2)
+    # The batch in the writer thread (what waited while the file was created: just
+    # over 1000 bytes) and just over 1000 more waiting behind it; nothing beyond.
+    assert backend.yielded == 2200 and not reading.done()
+    stalled_disk.set()
+    assert await asyncio.wait_for(reading, 5) == data
+    await reader.settle(KEY)
+    assert disk.contains(KEY) and backend.yielded == len(data)

@@ -161,6 +161,7 @@ class S3Download:
         # headers of a read-through) is known after one round trip; later reads grow
         # to EC_S3_GET_CHUNK_SIZE.
         size = min(FIRST_READ_BYTES, self._s3.settings.s3_get_chunk_size)
+        remaining = self.info.size
         try:
             while True:
                 self._room.acquire()
@@ -174,6 +175,12 @@ class S3Download:
                     post(None)
                     return
                 post(data)
+                remaining -= len(data)
+                if remaining <= 0:
+                    # The whole body: the end is known without one more read (and one
+                    # more wait for room), and the connection is back in the pool.
+                    post(None)
+                    return
                 size = min(size * 8, self._s3.settings.s3_get_chunk_size)
         except BaseException as exc:
             post(exc)
