@@ -7,6 +7,7 @@ import itertools
 import os
 import shutil
 import socket
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 import urllib3
 from botocore.config import Config
 
+from app.keys import key_digest
 from bench.payloads import DTYPE, MODEL, Payload
 from bench.runner import Contender
 from bench.services import wait_upload_queue_empty
@@ -137,15 +139,43 @@ class Endpoints:
     local_dir: Path
 
 
+class ColdCycle:
+    """The keys a cold server is asked for, in one strict cycle longer than its disk
+    tier, so that every GET is an S3 hit. A fill is published on disk (group commit)
+    a little after its response ends: on a busy machine the key asked for next can
+    still be the one on disk. ``settle`` (untimed) waits until its file is evicted."""
+
+    SETTLE_TIMEOUT = 30.0
+
+    def __init__(self, keys: list[str], data_dir: Path) -> None:
+        self._keys = keys
+        self._objects = data_dir / "objects"
+        self._step = 1  # keys[0] is the entry on disk when the cycle starts
+
+    def next_key(self) -> str:
+        key = self._keys[self._step % len(self._keys)]
+        self._step += 1
+        return key
+
+    def settle(self) -> None:
+        digest = key_digest(MODEL, DTYPE, self._keys[self._step % len(self._keys)])
+        deadline = time.monotonic() + self.SETTLE_TIMEOUT
+        while any((self._objects / digest[:2]).glob(f"{digest}.*")):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cold server kept {digest} on disk")
+            time.sleep(0.001)
+
+
 def local_path(root: Path, key: str) -> Path:
     """Where vLLM's example EC connector keeps an entry: ``{root}/{mm_hash}/...``."""
     return root / key / "encoder_cache.safetensors"
 
 
 def get_contenders(
-    ep: Endpoints, items: list[Item], cold: ec_cache.Client
+    ep: Endpoints, items: list[Item], cold: ec_cache.Client, cold_dir: Path
 ) -> tuple[list[Contender], Callable[[], None]]:
-    """GET contenders over ``items`` (stored everywhere beforehand); and a closer."""
+    """GET contenders over ``items`` (stored everywhere beforehand); and a closer.
+    ``cold`` talks to a server (data in ``cold_dir``) whose disk holds one entry."""
     nginx = urllib3.HTTPConnectionPool("127.0.0.1", ep.nginx_port, maxsize=1)
     hot_raw = urllib3.HTTPConnectionPool("127.0.0.1", int(ep.hot_url.rsplit(":", 1)[1]), maxsize=1)
     raw = RawGet(ep.nginx_port, max(item.payload.size for item in items))
@@ -213,6 +243,9 @@ def get_contenders(
     loaded = safetensors.torch.load_file(local_path(ep.local_dir, first.key))["ec_cache"]
     assert same_bits(loaded, first.tensor)
 
+    # The check above left items[0] on the cold server's disk.
+    cold_cycle = ColdCycle([item.key for item in items], cold_dir)
+    by_key = {item.key: item for item in items}
     contenders = [
         Contender(
             "nginx+urllib3", "ceiling", nginx_get(cycle(items)), note="sendfile; urllib3 .data"
@@ -238,8 +271,9 @@ def get_contenders(
         Contender(
             "ec-cache SDK, S3 hit",
             "ec-cache",
-            sdk(cold, cycle(items)),
+            sdk(cold, lambda: by_key[cold_cycle.next_key()]),
             note="cold disk tier: read-through from S3 (fills disk)",
+            before_each=cold_cycle.settle,
         ),
         Contender(
             "boto3 get_object",

@@ -42,8 +42,7 @@ from typing import Any
 import ec_cache
 import urllib3
 
-from app.keys import key_digest
-from bench.contenders import boto3_client, same_bits, tensor_from_safetensors_bytes
+from bench.contenders import ColdCycle, boto3_client, same_bits, tensor_from_safetensors_bytes
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS, Payload
 from bench.services import Services, http_json, load_average
 from bench.stats import median
@@ -144,33 +143,6 @@ class Row:
 
 
 Op = Callable[[int], tuple[int, float | None]]
-
-
-class ColdCycle:
-    """The keys a cold server is asked for, in one strict cycle longer than its disk
-    tier, so that every GET is an S3 hit. A fill is published on disk (group commit)
-    a little after its response ends: on a busy machine the key asked for next can
-    still be the one on disk. ``settle`` (untimed) waits until its file is evicted."""
-
-    SETTLE_TIMEOUT = 30.0
-
-    def __init__(self, keys: list[str], data_dir: Path) -> None:
-        self._keys = keys
-        self._objects = data_dir / "objects"
-        self._step = 1  # keys[0] is the entry on disk when the cycle starts
-
-    def next_key(self) -> str:
-        key = self._keys[self._step % len(self._keys)]
-        self._step += 1
-        return key
-
-    def settle(self) -> None:
-        digest = key_digest(MODEL, DTYPE, self._keys[self._step % len(self._keys)])
-        deadline = time.monotonic() + self.SETTLE_TIMEOUT
-        while any((self._objects / digest[:2]).glob(f"{digest}.*")):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the cold server kept {digest} on disk")
-            time.sleep(0.001)
 
 
 def run_rounds(

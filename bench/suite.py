@@ -249,7 +249,7 @@ def transfers(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
         )
         assert sum(sizes) - sizes[-1] > sizes[-1], "the cycle must exceed the cold disk"
         cold = _client(cold_srv.url)
-        contenders, close = get_contenders(ep, items, cold)
+        contenders, close = get_contenders(ep, items, cold, cold_srv.data_dir)
         try:
             entry["get"] = interleaved(contenders, rounds=rounds, requests=requests, warmup=2)
         finally:
