@@ -15,10 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
-import anyio
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -36,12 +34,12 @@ from app.errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
-    SlowClient,
 )
 from app.keys import EntryKey, parse_key
 from app.responses import EntryResponse
 from app.settings import Settings
 from app.store import Store
+from app.upload_deadlines import with_deadlines
 
 log = logging.getLogger("app")
 
@@ -86,42 +84,6 @@ def _parse_length(value: str | None) -> int | None:
         raise InvalidRequest(
             f"Content-Length {value[:40]!r} is not a decimal number of bytes", part="header"
         ) from None
-
-
-async def _with_deadlines(chunks: AsyncIterator[bytes], settings: Settings) -> AsyncIterator[bytes]:
-    """Pass an upload's chunks through; raise ``SlowClient`` when the client stalls.
-
-    Three rules, each answered 408 (the store then removes its temp file): no chunk for
-    ``EC_BODY_READ_TIMEOUT``; fewer than ``EC_UPLOAD_MIN_RATE`` bytes per second since
-    the end of ``EC_UPLOAD_RATE_GRACE`` (so a client trickling a byte a second cannot
-    hold an upload slot); the whole body later than ``EC_UPLOAD_TIMEOUT``.
-    """
-    iterator = aiter(chunks)
-    idle = settings.body_read_timeout
-    total = settings.upload_timeout
-    rate = settings.upload_min_rate
-    grace = settings.upload_rate_grace
-    # Formatted once: the loop below runs for every chunk of the body.
-    idle_reason = f"no body bytes received for {idle:g} s"
-    total_reason = f"upload took over {total:g} s"
-    rate_reason = f"upload slower than {rate} bytes/s (after a {grace:g} s grace period)"
-    start = time.monotonic()
-    received = 0
-    while True:
-        now = time.monotonic() - start
-        wait, reason = min((idle, idle_reason), (total - now, total_reason))
-        if rate:
-            # The moment the average since the grace period falls below the rate.
-            wait, reason = min((wait, reason), (grace + received / rate - now, rate_reason))
-        with anyio.move_on_after(max(wait, 0)) as scope:
-            try:
-                chunk = await anext(iterator)
-            except StopAsyncIteration:
-                return
-        if scope.cancelled_caught:
-            raise SlowClient(f"{reason}: {received} bytes in {time.monotonic() - start:.1f} s")
-        received += len(chunk)
-        yield chunk
 
 
 Handler = Callable[[Request, EntryKey], Awaitable[Response]]
@@ -222,7 +184,7 @@ class EntryRoutes:
         try:
             result = await store.put(
                 key,
-                _with_deadlines(request.stream(), settings),
+                with_deadlines(request.stream(), settings),
                 declared_length=content_length,
                 expected_crc=expected_crc,
                 known_absent=checked,
