@@ -143,13 +143,17 @@ class ColdCycle:
     """The keys a cold server is asked for, in one strict cycle longer than its disk
     tier, so that every GET is an S3 hit. A fill is published on disk (group commit)
     a little after its response ends: on a busy machine the key asked for next can
-    still be the one on disk. ``settle`` (untimed) waits until its file is evicted."""
+    still be the one on disk, and the last fill's disk write can still be running.
+    ``settle`` (untimed; the server's CPU for it is still counted) waits until the next
+    key's file is evicted and no write is in flight (``tmp/`` is empty), so a timed GET
+    neither hits the disk nor shares the server's core with the previous fill."""
 
     SETTLE_TIMEOUT = 30.0
 
     def __init__(self, keys: list[str], data_dir: Path) -> None:
         self._keys = keys
         self._objects = data_dir / "objects"
+        self._tmp = data_dir / "tmp"
         self._step = 1  # keys[0] is the entry on disk when the cycle starts
 
     def next_key(self) -> str:
@@ -160,7 +164,7 @@ class ColdCycle:
     def settle(self) -> None:
         digest = key_digest(MODEL, DTYPE, self._keys[self._step % len(self._keys)])
         deadline = time.monotonic() + self.SETTLE_TIMEOUT
-        while any((self._objects / digest[:2]).glob(f"{digest}.*")):
+        while any((self._objects / digest[:2]).glob(f"{digest}.*")) or any(self._tmp.iterdir()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the cold server kept {digest} on disk")
             time.sleep(0.001)
