@@ -13,7 +13,7 @@ import pytest
 
 from app.checksum import crc32c as crc
 from app.keys import EntryKey
-from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_to_b64
+from app.tiers.s3.client import FIRST_READ_BYTES, METADATA_CRC_KEY, S3Client, crc32c_to_b64
 from app.tiers.s3.errors import S3Error, S3Unavailable
 from app.tiers.s3.readiness import check_ready, ensure_bucket
 from app.tiers.s3.transfers import put_bytes, put_file
@@ -84,6 +84,19 @@ async def test_get_streams_in_chunks(make_store: StoreFactory) -> None:
         sizes = [len(chunk) async for chunk in download.chunks()]
     assert sum(sizes) == len(data)
     assert len(sizes) >= 4 and max(sizes) <= 256 * 1024
+    assert sizes[0] == FIRST_READ_BYTES  # read by the job that opened the GET
+
+
+async def test_object_within_the_first_read(make_store: StoreFactory) -> None:
+    store = make_store()
+    data = sample(1000, seed=5)
+    key = key_for(store, "m", "uint8", "small")
+    await put_bytes(store, key, data, crc32c=crc(data))
+    download = await store.open(key)
+    assert download is not None
+    async with download:
+        chunks = [chunk async for chunk in download.chunks()]
+    assert chunks == [data]
 
 
 async def test_multipart_above_threshold(

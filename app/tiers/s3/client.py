@@ -128,19 +128,26 @@ class S3Download:
     never buffered whole. Always ``aclose()`` it (or use ``async with``); closing early
     drops the connection instead of draining the body.
 
-    One pool job reads the whole body (``READ_AHEAD`` chunks ahead of the consumer at
-    most) and hands each chunk to the event loop as it arrives: one wake-up of the loop
-    per chunk, instead of a job submitted and a future resolved per chunk."""
+    ``first``: the start of the body, read by the job that opened the GET (see
+    :meth:`S3Client.open`). One pool job reads the rest (``READ_AHEAD`` chunks ahead of
+    the consumer at most) and hands each chunk to the event loop as it arrives: one
+    wake-up of the loop per chunk, instead of a job submitted and a future resolved per
+    chunk."""
 
-    def __init__(self, s3: S3Client, info: ObjectInfo, body: Any) -> None:
+    def __init__(self, s3: S3Client, info: ObjectInfo, body: Any, first: bytes) -> None:
         self.info = info
         self._s3 = s3
         self._body = body
+        self._first = first
+        self._prefetched = len(first)
         self._job: asyncio.Future[None] | None = None
+        self._started = False
         self._closed = False
         self._stop = False
         self._received = 0
         self._room = threading.Semaphore(READ_AHEAD)
+        if first:
+            self._room.acquire()  # ``first`` holds one of the read-ahead places
 
     async def __aenter__(self) -> S3Download:
         return self
@@ -157,11 +164,10 @@ class S3Download:
         """On a pool thread: read the body to its end (or until closed), passing each
         chunk to ``post``; ``post(None)`` at the end, or the exception that stopped
         it."""
-        # The first read is small, so the safetensors header (and with it the response
-        # headers of a read-through) is known after one round trip; later reads grow
-        # to EC_S3_GET_CHUNK_SIZE.
-        size = min(FIRST_READ_BYTES, self._s3.settings.s3_get_chunk_size)
-        remaining = self.info.size
+        # Reads grow from the first one's size (small: see S3Client.open) to
+        # EC_S3_GET_CHUNK_SIZE.
+        size = min(FIRST_READ_BYTES * 8, self._s3.settings.s3_get_chunk_size)
+        remaining = self.info.size - self._prefetched
         try:
             while True:
                 self._room.acquire()
@@ -189,8 +195,9 @@ class S3Download:
         """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
         :class:`S3Unavailable` when the connection breaks mid-body (the body is then
         incomplete and must not be used)."""
-        if self._closed or self._job is not None:
+        if self._closed or self._started:
             raise RuntimeError("download already closed or being read")
+        self._started = True
         loop = asyncio.get_running_loop()
         metrics = self._s3.metrics
         arrived: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
@@ -198,7 +205,13 @@ class S3Download:
         def post(item: bytes | BaseException | None) -> None:
             loop.call_soon_threadsafe(arrived.put_nowait, item)
 
-        self._job = loop.run_in_executor(self._s3.executor, self._pump, post)
+        first, self._first = self._first, b""
+        if first:
+            arrived.put_nowait(first)
+        if self._prefetched < self.info.size:
+            self._job = loop.run_in_executor(self._s3.executor, self._pump, post)
+        else:  # the whole body came with the first read
+            arrived.put_nowait(None)
         try:
             while True:
                 item = await arrived.get()
@@ -460,11 +473,25 @@ class S3Client:
     async def open(self, key: str) -> S3Download | None:
         """Start a GET: ``None`` when the object does not exist, else an open download
         whose headers (size, CRC32C) are known and whose body is still on the wire."""
-        answer = await self.call("get", lambda: self._get.get(key), not_found_ok=True)
+        first_bytes = min(FIRST_READ_BYTES, self.settings.s3_get_chunk_size)
+
+        def get() -> tuple[Mapping[str, str], Any, bytes]:
+            headers, body = self._get.get(key)
+            # The start of the body is read by this same job: small, so the safetensors
+            # header (and with it a read-through's answer) is known after one round
+            # trip, and the first bytes reach the loop without another hand-over to
+            # the pool and back.
+            try:
+                return headers, body, body.read(first_bytes)
+            except BaseException:
+                body.close()
+                raise
+
+        answer = await self.call("get", get, not_found_ok=True)
         if answer is None:
             return None
-        headers, body = answer
-        return S3Download(self, _info_from_headers(key, headers), body)
+        headers, body, first = answer
+        return S3Download(self, _info_from_headers(key, headers), body, first)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes | None:
         """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``
