@@ -166,7 +166,9 @@ class ColdCycle:
         deadline = time.monotonic() + self.SETTLE_TIMEOUT
         while any((self._objects / digest[:2]).glob(f"{digest}.*")) or any(self._tmp.iterdir()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the cold server kept {digest} on disk")
+                raise RuntimeError(
+                    f"the cold server kept {digest} on disk, or a write in {self._tmp}"
+                )
             time.sleep(0.001)
 
 

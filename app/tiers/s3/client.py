@@ -139,7 +139,6 @@ class S3Download:
         self._s3 = s3
         self._body = body
         self._first = first
-        self._prefetched = len(first)
         self._job: asyncio.Future[None] | None = None
         self._started = False
         self._closed = False
@@ -167,7 +166,7 @@ class S3Download:
         # Reads grow from the first one's size (small: see S3Client.open) to
         # EC_S3_GET_CHUNK_SIZE.
         size = min(FIRST_READ_BYTES * 8, self._s3.settings.s3_get_chunk_size)
-        remaining = self.info.size - self._prefetched
+        remaining = self.info.size - len(self._first)
         try:
             while True:
                 self._room.acquire()
@@ -205,10 +204,9 @@ class S3Download:
         def post(item: bytes | BaseException | None) -> None:
             loop.call_soon_threadsafe(arrived.put_nowait, item)
 
-        first, self._first = self._first, b""
-        if first:
-            arrived.put_nowait(first)
-        if self._prefetched < self.info.size:
+        if self._first:
+            arrived.put_nowait(self._first)
+        if len(self._first) < self.info.size:
             self._job = loop.run_in_executor(self._s3.executor, self._pump, post)
         else:  # the whole body came with the first read
             arrived.put_nowait(None)
