@@ -20,6 +20,15 @@ keep-alive connection each):
   Through the SDK, and through urllib3 streaming (``read(1)`` then the rest) for the
   time to first body byte (TTFB), against boto3 ``get_object`` (``Body.read(1)`` then
   the rest: the same urllib3 underneath);
+* the same SDK and boto3 GETs **behind an S3 link of bounded rate** (``LINK_RATES``,
+  ``s3_link.ShapedLink``), where ``tc`` allows: S3 then answers at a network's pace, as
+  it does in production, rather than at a loopback copy's;
+* the same TTFB **with the client on a core of its own**: with two CPUs, the client and
+  the server share one, and a read-through's first bytes wait for the client to win
+  that core back from the server's fill (about 1 ms on this VM: measured from the
+  server's side, first chunk handed to the socket -> client's first byte, 1.0-1.4 ms
+  shared, 0.13 ms apart). For these rounds the cold server moves to S3's core, which
+  slows S3 for ec-cache only;
 * **disk-hit GET** from the write-through server, for its CPU cost.
 
 Server CPU-seconds per GB: ``utime + stime`` of ``/proc/<pid>/stat`` of the server that
@@ -42,6 +51,7 @@ from typing import Any
 import ec_cache
 import urllib3
 
+from bench import s3_link
 from bench.contenders import ColdCycle, boto3_client, same_bits, tensor_from_safetensors_bytes
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS, Payload
 from bench.services import Services, http_json, load_average
@@ -58,6 +68,9 @@ SDK_S3_GET = "ec-cache SDK GET, S3 hit (read-through)"
 URLLIB3_S3_GET = "ec-cache urllib3 stream, S3 hit (read-through)"
 BOTO3_GET = "boto3 get_object"
 SDK_DISK_GET = "ec-cache SDK GET, disk hit"
+#: S3 link rates (tc syntax) the read-through is measured behind, besides loopback:
+#: about one AWS S3 connection, and a share of a 10 Gbit/s NIC.
+LINK_RATES = ["1gbit", "2gbit", "4gbit"]
 
 
 # --------------------------------------------------------------------------- isolation
@@ -186,22 +199,31 @@ def run_rounds(
 # --------------------------------------------------------------------------- section
 
 
-def _plan(quick: bool) -> tuple[list[Payload], dict[str, tuple[int, int]]]:
+def _plan(quick: bool) -> tuple[list[Payload], dict[str, tuple[int, int]], list[str]]:
+    """Payloads, (requests, rounds) per payload, and the S3 link rates to shape."""
     if quick:
-        return QUICK_PAYLOADS[1:2], {QUICK_PAYLOADS[1].name: (4, 2)}
+        return QUICK_PAYLOADS[1:2], {QUICK_PAYLOADS[1].name: (4, 2)}, ["1gbit"]
     payloads = FULL_PAYLOADS[1:4]
-    return payloads, {
-        "llava-576x4096": (12, 5),
-        "qwen25vl-2691x3584": (6, 5),
-        "qwen3vl-2040x16384": (3, 5),
-    }
+    return (
+        payloads,
+        {
+            "llava-576x4096": (12, 5),
+            "qwen25vl-2691x3584": (6, 5),
+            "qwen3vl-2040x16384": (3, 5),
+        },
+        LINK_RATES,
+    )
 
 
 def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     """See the module docstring."""
     isolation = Isolation.plan()
     log(f"s3: {isolation.describe()}")
-    payloads, requests = _plan(plan.quick)
+    payloads, requests, rates = _plan(plan.quick)
+    why_not_shaped = s3_link.why_not()
+    if why_not_shaped:
+        log(f"s3: S3 link NOT shaped ({why_not_shaped})")
+        rates = []
     root: Path = svc.root / "s3paths"
     weed = SeaweedFS(root / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
     weed.start()
@@ -223,6 +245,8 @@ def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
         out: dict[str, Any] = {
             "isolation": isolation.describe(),
             "pinned": isolation.pinned,
+            "link_rates": rates,
+            "link_not_shaped": why_not_shaped,
             "loadavg_before": load_average(),
             "payloads": {},
         }
@@ -230,7 +254,7 @@ def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
             count, rounds = requests[payload.name]
             log(f"s3: {payload.name} ({count} requests x {rounds} rounds)")
             out["payloads"][payload.name] = _payload(
-                svc, root, endpoint, isolation, s3_pid, payload, count, rounds
+                svc, root, endpoint, isolation, weed, payload, count, rounds, rates
             )
         out["loadavg_after"] = load_average()
         return out
@@ -262,11 +286,14 @@ def _payload(
     root: Path,
     endpoint: S3Endpoint,
     iso: Isolation,
-    s3_pid: int,
+    weed: SeaweedFS,
     payload: Payload,
     count: int,
     rounds: int,
+    rates: list[str],
 ) -> dict[str, Any]:
+    assert weed.proc is not None
+    s3_pid = weed.proc.pid
     s3 = boto3_client(endpoint.endpoint_url, endpoint.access_key, endpoint.secret_key)
     body = payload.body(payload.tensor(seed=1))
     tensors = [payload.tensor(seed=10 + k) for k in range(3)]
@@ -346,6 +373,37 @@ def _payload(
             requests=count,
             s3_pid=s3_pid,
         )
+        # The same two ways to S3's body, behind a link of bounded rate (s3_link).
+        entry["get_shaped"] = {}
+        for rate in rates:
+            with s3_link.ShapedLink(weed.s3_port, rate):
+                entry["get_shaped"][rate] = run_rounds(
+                    [
+                        (Row(BOTO3_GET, lambda: None), boto3_get),
+                        (Row(SDK_S3_GET, _pid(cold), cold_cycle.settle), sdk_s3),
+                    ],
+                    rounds=rounds,
+                    requests=count,
+                    s3_pid=s3_pid,
+                )
+        # Time to first byte with the client on a core of its own: the cold server moves
+        # to S3's core, so its reply does not wait for the client to win the core back
+        # from the server's own fill (see the module docstring).
+        if iso.pinned:
+            assert cold.proc is not None
+            pin_process(cold.proc.pid, iso.s3_cpus)
+            try:
+                entry["ttfb_client_alone"] = run_rounds(
+                    [
+                        (Row(BOTO3_GET, lambda: None), boto3_get),
+                        (Row(URLLIB3_S3_GET, _pid(cold), cold_cycle.settle), urllib3_s3),
+                    ],
+                    rounds=rounds,
+                    requests=count,
+                    s3_pid=s3_pid,
+                )
+            finally:
+                pin_process(cold.proc.pid, iso.other_cpus)
         after = http_json(cold.url + "/stats")["lookups"]
         entry["cold_server_lookups"] = {k: after[k] - lookups_before.get(k, 0) for k in after}
 
@@ -430,7 +488,38 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 higher=False,
             )
         )
+        for rate, shaped in entry["get_shaped"].items():
+            rows.append(
+                _ratio(
+                    f"read-through GET via SDK vs boto3 get_object, {name}, S3 link {rate}",
+                    0.9,
+                    shaped[SDK_S3_GET]["mb_per_s_median"],
+                    shaped[BOTO3_GET]["mb_per_s_median"],
+                )
+            )
+        if "ttfb_client_alone" in entry:
+            alone = entry["ttfb_client_alone"]
+            rows.append(
+                _ratio(
+                    f"read-through time to first byte vs boto3's, {name}, client on its own core",
+                    1.2,
+                    alone[URLLIB3_S3_GET]["ttfb_p50_ms"],
+                    alone[BOTO3_GET]["ttfb_p50_ms"],
+                    higher=False,
+                )
+            )
     return rows
+
+
+def _link_line(section_results: dict[str, Any]) -> str:
+    if not section_results["link_rates"]:
+        return f"S3 link NOT shaped: {section_results['link_not_shaped']}."
+    rates = ", ".join(section_results["link_rates"])
+    return (
+        f'Rows marked "S3 link": the same GETs with S3\'s traffic limited to {rates} each '
+        'way (`bench/s3_link.py`); "client on its own core": the cold server moved to '
+        "S3's core."
+    )
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -443,17 +532,24 @@ def markdown(results: dict[str, Any]) -> str:
         f"{section_results['isolation']}. Load {section_results['loadavg_before']} -> "
         f"{section_results['loadavg_after']}.",
         "",
+        _link_line(section_results),
+        "",
         "| payload | contender | MB/s (median) | p50 ms | TTFB p50 ms | server CPU s/GB "
         "| S3 CPU s/GB | client CPU s/GB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in section_results["payloads"].items():
-        for kind in ("get", "put"):
-            for label, row in entry[kind].items():
+        groups = [("", entry["get"])]
+        groups += [(f", S3 link {rate}", rows) for rate, rows in entry["get_shaped"].items()]
+        if "ttfb_client_alone" in entry:
+            groups.append((", client on its own core", entry["ttfb_client_alone"]))
+        groups.append(("", entry["put"]))
+        for where, rows in groups:
+            for label, row in rows.items():
                 ttfb = f"{row['ttfb_p50_ms']:.2f}" if "ttfb_p50_ms" in row else ""
                 server = f"{row['server_cpu_s_per_gb']:.2f}" if "server_cpu_s_per_gb" in row else ""
                 out.append(
-                    f"| {name} | {label} | {row['mb_per_s_median']:.0f} | {row['p50_ms']:.1f} "
+                    f"| {name} | {label}{where} | {row['mb_per_s_median']:.0f} | {row['p50_ms']:.1f} "
                     f"| {ttfb} | {server} | {row['s3_cpu_s_per_gb']:.2f} "
                     f"| {row['client_cpu_s_per_gb']:.2f} |"
                 )

@@ -1,7 +1,8 @@
 """Smoke test of the benchmark's ``s3`` section (``python -m bench --quick --sections s3``).
 
 No timing assertions: every contender ran and produced numbers, the S3-hit GETs were S3
-hits, and the output says whether S3 was isolated from the client's and server's cores.
+hits, and the output says whether S3 was isolated from the client's and server's cores
+and whether its link was shaped.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def test_quick_s3_section(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "latest.json").read_text())
     section = results["s3"]
     assert isinstance(section["pinned"], bool) and section["isolation"]
+    # Shaped, or says why not (no tc, no CAP_NET_ADMIN, loopback already shaped).
+    assert bool(section["link_rates"]) != bool(section["link_not_shaped"]), section
     for name, entry in section["payloads"].items():
         assert set(entry["get"]) == {
             s3_paths.BOTO3_GET,
@@ -52,6 +55,15 @@ def test_quick_s3_section(tmp_path: Path) -> None:
             assert _number(entry["get" if "GET" in label else "put"][label]["server_cpu_s_per_gb"])
         for label in (s3_paths.URLLIB3_S3_GET, s3_paths.BOTO3_GET):
             assert _number(entry["get"][label]["ttfb_p50_ms"])
+        # Behind a shaped S3 link (where tc allows) and with the client alone on its
+        # core (where pinning works): the same GETs, with numbers.
+        assert set(entry["get_shaped"]) == set(section["link_rates"]), name
+        for rows in entry["get_shaped"].values():
+            assert set(rows) == {s3_paths.BOTO3_GET, s3_paths.SDK_S3_GET}, name
+            assert all(row["mb_per_s_median"] > 0 for row in rows.values())
+        if section["pinned"]:
+            alone = entry["ttfb_client_alone"]
+            assert all(_number(alone[label]["ttfb_p50_ms"]) for label in alone), name
         lookups = entry["cold_server_lookups"]
         assert lookups["disk"] == 0 and lookups["s3"] > 0, lookups
     names = {row["target"] for row in results["targets"]}
