@@ -7,8 +7,9 @@ so a proxy in front of it is measured on how much CPU it takes from the client's
 rather than on its design. :class:`ShapedLink` limits the traffic to and from S3's port
 to ``rate`` each way (an HTB class selected by a u32 filter on the TCP port; all other
 loopback traffic goes through an unlimited class): boto3 straight to S3 and ec-cache's
-read-through then share the same bottleneck, and the ratio says whether ec-cache streams
-S3's body at S3's pace (store-and-forward would be about 0.5x at any rate).
+read-through then share the same bottleneck, and the ratio says how much a read-through
+adds to S3's own time: its first-byte delay and whatever of the body it cannot pass on
+at S3's pace.
 
 It needs ``tc`` (iproute2) and CAP_NET_ADMIN, and loopback without a queueing discipline
 of its own (left untouched otherwise); :meth:`ShapedLink.why_not` says what is missing.

@@ -69,7 +69,8 @@ URLLIB3_S3_GET = "ec-cache urllib3 stream, S3 hit (read-through)"
 BOTO3_GET = "boto3 get_object"
 SDK_DISK_GET = "ec-cache SDK GET, disk hit"
 #: S3 link rates (tc syntax) the read-through is measured behind, besides loopback:
-#: about one AWS S3 connection, and a share of a 10 Gbit/s NIC.
+#: 1 Gbit/s is about one AWS S3 connection (AWS suggests one request per 85-90 MB/s),
+#: 2 and 4 Gbit/s shares of an in-cluster MinIO's NIC.
 LINK_RATES = ["1gbit", "2gbit", "4gbit"]
 
 
