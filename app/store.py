@@ -205,8 +205,10 @@ class Store:
             declared_length=declared_length,
         )
         # Refused here, before any body byte is read, when it cannot fit; the temp file
-        # is created in a writer thread while the first batch comes in.
-        pending = self.disk.reserve_write(key, declared_length)
+        # is created in a writer thread while the first batch comes in. In write-through
+        # mode the disk copy is committed only once S3 holds the entry: not durable.
+        write_through_mode = self.s3 is not None and self.uploads is None
+        pending = self.disk.reserve_write(key, declared_length, durable=not write_through_mode)
         body_file = OverlappedWrite(pending, self._writer)
         try:
             body_file.create()
@@ -309,6 +311,9 @@ class Store:
         self._refuse_if_purging(key)  # a purge may have started while the body came in
         if self.s3 is None or self.disk.contains(key):
             # Disk only, or already here (and so in S3 or queued for it): disk decides.
+            # Should the entry here go before the batch, this body becomes the entry,
+            # and S3 may not have it: durable, whatever the mode.
+            pending.durable = True
             return await _durable(pending.submit(crc, header))
         if self.uploads is not None:
             if self.uploads.has_room(pending.written):

@@ -14,7 +14,10 @@ one, which renames them into ``objects/``, ``fsync``s each directory it touched 
 (one file-system journal commit for the batch) and only then publishes the entries and
 answers their waiters. A crash never leaves a partial entry, readers never see a
 half-written file, and a commit is answered only once its bytes and its directory
-entry are on stable storage. Committed
+entry are on stable storage — unless the entry is a copy of what the backend holds
+(``PendingWrite.durable`` False: a read-through fill, a write-through PUT once
+uploaded), which is published without any sync: a power cut may lose it or leave it
+torn, and the CRC32C check of its first read after start-up drops a torn one. Committed
 files are immutable; each is served by ``mmap`` and its CRC32C re-verified whenever
 its (inode, size, mtime, ctime) changes, so bytes changed on disk are caught and the
 entry dropped. The index lives in memory and is rebuilt from file names at start-up.
@@ -154,6 +157,10 @@ class PendingWrite:
     #: The body's whole length once known (Content-Length, or its safetensors header):
     #: space for what is still to come is reserved against other uploads.
     expected: int | None = None
+    #: False for a copy of what the backend already holds: its bytes are not pushed to
+    #: the device early and its commit syncs nothing (see the module docstring). Set
+    #: before the body is written; the commit reads it.
+    durable: bool = True
 
     @property
     def remaining(self) -> int:
@@ -189,7 +196,8 @@ class PendingWrite:
                     ) from None
                 evicted = True
                 continue
-            start_writeback(self.fd, self.written, n)
+            if self.durable:
+                start_writeback(self.fd, self.written, n)
             with self.tier._lock:
                 self.written += n
             while views and n >= len(views[0]):
@@ -202,7 +210,8 @@ class PendingWrite:
         self, crc: int, header: TensorHeader, staged: Sequence[StagedFile] = ()
     ) -> Future[bool]:
         """Hand the file to the group commit; the future says whether it was published
-        (False, nothing stored: the key already exists) once it is durable, or raises.
+        (False, nothing stored: the key already exists) once its batch is committed (and
+        the file durable, if ``durable``), or raises.
         ``staged`` files (a write-back journal record) are made durable and renamed
         into place, in the same batch, before the entry is published."""
         self.done = True
@@ -212,7 +221,7 @@ class PendingWrite:
         return job.future
 
     def commit(self, crc: int, header: TensorHeader) -> bool:
-        """Publish the file (blocking until its batch is durable); False (and nothing
+        """Publish the file (blocking until its batch is committed); False (and nothing
         stored) when the key already exists."""
         return self.submit(crc, header).result()
 
@@ -339,9 +348,10 @@ class _GroupCommitter:
             if self._syncer is None and not self._closed:
                 self._syncer = ThreadPoolExecutor(SYNC_THREADS, "ec-disk-sync")
             syncer = None if self._closed else self._syncer
-        # A loser of the first-writer race spares its fsyncs; once closed, the batch
-        # syncs (see _commit_batch).
-        if syncer is not None and not self._tier.contains(job.pending.key):
+        # A loser of the first-writer race spares its fsyncs, and so does a copy of the
+        # backend's entry; once closed, the batch syncs (see _commit_batch).
+        pending = job.pending
+        if syncer is not None and pending.durable and not self._tier.contains(pending.key):
             job.data = syncer.submit(job.sync_data, self._tier._commit_metrics)
         with self._cond:
             self._writing -= 1
@@ -560,11 +570,14 @@ class DiskTier:
             raise
         return pending
 
-    def reserve_write(self, key: EntryKey, expected_size: int | None = None) -> PendingWrite:
+    def reserve_write(
+        self, key: EntryKey, expected_size: int | None = None, *, durable: bool = True
+    ) -> PendingWrite:
         """``begin_write`` without the temp file, which ``PendingWrite.create`` makes
         (file-system work that can block): quick enough for the event loop, so that a
-        body that cannot fit is refused before any of it is read."""
-        pending = PendingWrite(self, key, -1, self._tmp)
+        body that cannot fit is refused before any of it is read. ``durable``: see
+        ``PendingWrite.durable``."""
+        pending = PendingWrite(self, key, -1, self._tmp, durable=durable)
         if expected_size is not None:
             self._reserve(pending, expected_size)
         self._committer.started_writing()
@@ -631,7 +644,9 @@ class DiskTier:
         the records, ``fsync`` their directory once; (3) append the key lines, rename the
         entries into ``objects/``, ``fsync`` each directory touched once; (4) publish
         the entries in the index and answer. A failure fails only the commits it
-        touched, and what they left is removed; nothing is visible before step 4."""
+        touched, and what they left is removed; nothing is visible before step 4.
+        Entries that are not ``durable`` skip the syncs of steps 1 and 3 (a new shard
+        directory is synced all the same: later entries, durable ones too, go there)."""
         started = time.perf_counter()
         jobs: list[_Commit] = []
         claimed: set[str] = set()
@@ -663,7 +678,7 @@ class DiskTier:
                 try:
                     if job.data is not None:
                         job.data.result()
-                    else:
+                    elif job.pending.durable:
                         job.sync_data(self._commit_metrics)
                 except OSError as exc:
                     job.error = exc
@@ -705,7 +720,8 @@ class DiskTier:
                 job.error = exc
                 continue
             job.final = final
-            entry_dirs.setdefault(final.parent, []).append(job)
+            if job.pending.durable:
+                entry_dirs.setdefault(final.parent, []).append(job)
         self._sync_dirs(entry_dirs)
         # (4) publish
         published: list[_Commit] = []

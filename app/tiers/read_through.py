@@ -146,7 +146,8 @@ class Fill:
                 expected = remote.crc32c
                 # Space is reserved here, so a copy that cannot fit fails before anything
                 # is answered; the file is created in a thread once that answer is out.
-                pending = owner.disk.reserve_write(self.key, remote.size)
+                # Not durable: the backend holds the entry, a lost copy is fetched again.
+                pending = owner.disk.reserve_write(self.key, remote.size, durable=False)
                 validator = BodyValidator(
                     self.key.dtype,
                     max_bytes=max(remote.size, 1),

@@ -112,6 +112,27 @@ def test_write_through_round_trip_and_second_replica(
     assert b.put(url("h1"), content=data, headers={"If-None-Match": "*"}).status_code == 412
 
 
+def test_disk_copies_of_s3_entries_are_not_synced(make_server: ServerFactory) -> None:
+    """A write-through PUT's disk copy (committed once S3 has the entry) and a
+    read-through fill are published without fdatasync or directory fsync: S3 holds the
+    entry, a copy lost to a power cut is fetched again. A write-back PUT, whose entry is
+    only on this disk until uploaded, syncs its file and its journal record."""
+    fsyncs = "ec_disk_commit_fsyncs_total"
+    a = client_for(make_server("a"))
+    assert put(a, "wt", entry(300, seed=3)).status_code == 201
+    assert metric(a, fsyncs, kind="file") == 0
+
+    b = client_for(make_server("b"))
+    assert b.get(url("wt")).headers["X-EC-Tier"] == "s3"
+    wait_for(lambda: b.get(url("wt")).headers["X-EC-Tier"] == "disk", 10, "the disk fill")
+    assert metric(b, fsyncs, kind="file") == 0
+
+    c = client_for(make_server("c", write_mode="write-back"))
+    assert put(c, "wb", entry(300, seed=4)).status_code == 201
+    assert metric(c, fsyncs, kind="file") == 2  # the entry and its upload record
+    assert metric(c, fsyncs, kind="directory") >= 2  # upload-queue/, the entry's shard
+
+
 def test_head_on_disk_miss_never_downloads(
     make_server: ServerFactory, counting_proxy: CountingProxy
 ) -> None:

@@ -10,6 +10,7 @@ from app.checksum import crc32c
 from app.errors import InsufficientStorage, Unavailable
 from app.keys import EntryKey
 from app.safetensors_format import validate_body
+from app.tiers import disk as disk_module
 from app.tiers.disk import DiskTier, PendingWrite
 from tests.support.entries import body
 
@@ -352,3 +353,69 @@ def test_group_commit_syncs_what_was_not_synced_early(
     assert synced == [late_fd]
     assert _read(tier, "k") == second
     assert _files(tier.root / "tmp") == []
+
+
+def _write(tier: DiskTier, name: str, data: bytes, *, durable: bool) -> PendingWrite:
+    pending = tier.reserve_write(_key(name), len(data), durable=durable)
+    pending.create()
+    pending.write([data])
+    return pending
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_only_durable_writes_are_synced(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    """A copy of what the backend holds (``durable=False``) is published without its
+    bytes pushed early, fdatasync'ed or its directory fsync'ed; a durable one gets all
+    three. The entry's shard directory exists already (a new one is synced anyway)."""
+    (tier.root / "objects" / _key("k").digest[:2]).mkdir()
+    calls: list[str] = []
+    real_fdatasync, real_fsync = os.fdatasync, os.fsync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (calls.append("fdatasync"), real_fdatasync(fd)))
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd)))
+    monkeypatch.setattr(disk_module, "start_writeback", lambda *_: calls.append("writeback"))
+    data = body((500,), "U8", 1)
+    pending = _write(tier, "k", data, durable=durable)
+    assert pending.commit(crc32c(data), validate_body(data, "uint8")) is True
+    assert calls == (["writeback", "fdatasync", "fsync"] if durable else [])
+    assert _read(tier, "k") == data
+    assert _files(tier.root / "tmp") == []
+    tier.close()
+
+
+def test_a_new_shard_directory_is_synced_for_a_copy_too(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Later entries, durable ones too, are renamed into the shard directory a copy
+    created: its name in ``objects/`` is made durable all the same."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: pytest.fail("a copy was fdatasync'ed"))
+    data = body((500,), "U8", 1)
+    assert _write(tier, "k", data, durable=False).commit(crc32c(data), validate_body(data, "uint8"))
+    assert len(synced) == 1  # objects/, for the new shard; not the shard itself
+    tier.close()
+
+
+def test_a_copy_torn_by_a_power_cut_is_dropped_at_its_first_read(tmp_path: Path) -> None:
+    """What a power cut can leave of an unsynced copy: the renamed file with its blocks
+    never written (zeros). The next start-up trusts nothing it did not check: the first
+    read verifies the CRC32C in the file's name and drops the entry."""
+    first = DiskTier(tmp_path, 10_000)
+    first.rebuild()
+    data = body((500,), "U8", 1)
+    assert _write(first, "k", data, durable=False).commit(
+        crc32c(data), validate_body(data, "uint8")
+    )
+    first.close()
+    (path,) = _files(tmp_path / "objects")
+    path.write_bytes(bytes(len(data)))
+
+    second = DiskTier(tmp_path, 10_000)
+    second.rebuild()
+    assert second.contains(_key("k"))  # listed by name, not yet read
+    assert _read(second, "k") is None
+    assert not path.exists()
+    assert second.stats().corrupt_removed == 1
