@@ -12,7 +12,7 @@ adds to S3's own time: its first-byte delay and whatever of the body it cannot p
 at S3's pace.
 
 It needs ``tc`` (iproute2) and CAP_NET_ADMIN, and loopback without a queueing discipline
-of its own (left untouched otherwise); :meth:`ShapedLink.why_not` says what is missing.
+of its own (left untouched otherwise); :func:`why_not` says what is missing.
 Netem (added delay) would model the round trip too, but kernels without
 ``CONFIG_NET_SCH_NETEM`` (this VM's) lack it, so only the rate is shaped: the time to
 first byte is measured on the unshaped loopback.

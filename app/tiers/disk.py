@@ -158,8 +158,9 @@ class PendingWrite:
     #: space for what is still to come is reserved against other uploads.
     expected: int | None = None
     #: False for a copy of what the backend already holds: its bytes are not pushed to
-    #: the device early and its commit syncs nothing (see the module docstring). Set
-    #: before the body is written; the commit reads it.
+    #: the device early and its commit syncs nothing (see the module docstring). Read
+    #: by each write and by the commit: set before the body is written, or to True
+    #: before the commit (its fdatasync then writes what was not pushed early).
     durable: bool = True
 
     @property
