@@ -35,7 +35,7 @@ from app.checksum import crc32c, to_hex
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS
 from bench.runner import concurrent
 from bench.services import Services, load_average, wait_upload_queue_empty
-from bench.stats import median, percentile
+from bench.stats import median, percentile, target_row
 
 NGINX = "nginx DAV PUT"
 FLOOR = "ASGI floor PUT (receive only, urllib3)"
@@ -307,20 +307,15 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     level = section["levels"].get(str(TARGET_CLIENTS))
     if not level:
         return []
-    reference = level[NGINX]["mb_per_s_median"]
-    rows = []
-    for label in (DISK_SDK, WB_SDK, DISK_URLLIB3, WB_URLLIB3):
-        ratio = level[label]["mb_per_s_median"] / reference if reference else float("nan")
-        rows.append(
-            {
-                "target": f"{label} vs {NGINX}, {TARGET_CLIENTS} clients, aggregate",
-                "want": f">= {TARGET_RATIO:g}x",
-                "ratio": ratio,
-                "pass": bool(ratio >= TARGET_RATIO),
-                "by": ratio - TARGET_RATIO,
-            }
+    return [
+        target_row(
+            f"{label} vs {NGINX}, {TARGET_CLIENTS} clients, aggregate",
+            TARGET_RATIO,
+            level[label]["mb_per_s_median"],
+            level[NGINX]["mb_per_s_median"],
         )
-    return rows
+        for label in (DISK_SDK, WB_SDK, DISK_URLLIB3, WB_URLLIB3)
+    ]
 
 
 def markdown(results: dict[str, Any]) -> list[str]:

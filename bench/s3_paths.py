@@ -55,7 +55,7 @@ from bench import s3_link
 from bench.contenders import ColdCycle, boto3_client, same_bits, tensor_from_safetensors_bytes
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS, Payload
 from bench.services import Services, http_json, load_average
-from bench.stats import median
+from bench.stats import median, target_row
 from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
 from tests.support.server import ServerProcess
 
@@ -444,16 +444,23 @@ def _payload(
 # --------------------------------------------------------------------------- report
 
 
-def _ratio(name: str, want: float, measured: float, reference: float, higher: bool = True) -> Any:
-    ratio = measured / reference if reference else float("nan")
-    ok = ratio >= want if higher else ratio <= want
-    return {
-        "target": name,
-        "want": f"{'>=' if higher else '<='} {want:g}x",
-        "ratio": ratio,
-        "pass": bool(ok),
-        "by": ratio - want if higher else want - ratio,
-    }
+def _read_through(where: str, rows: dict[str, Any]) -> dict[str, Any]:
+    return target_row(
+        f"read-through GET via SDK vs boto3 get_object, {where}",
+        0.9,
+        rows[SDK_S3_GET]["mb_per_s_median"],
+        rows[BOTO3_GET]["mb_per_s_median"],
+    )
+
+
+def _first_byte(where: str, rows: dict[str, Any]) -> dict[str, Any]:
+    return target_row(
+        f"read-through time to first byte vs boto3's, {where}",
+        1.2,
+        rows[URLLIB3_S3_GET]["ttfb_p50_ms"],
+        rows[BOTO3_GET]["ttfb_p50_ms"],
+        higher_is_better=False,
+    )
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -463,52 +470,21 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         return rows
     tag = "" if section_results["pinned"] else " (S3 NOT isolated)"
     for name, entry in section_results["payloads"].items():
-        get, put = entry["get"], entry["put"]
+        put = entry["put"]
         rows.append(
-            _ratio(
+            target_row(
                 f"write-through PUT via SDK vs boto3 put_object, {name}{tag}",
                 0.9,
                 put[SDK_PUT]["mb_per_s_median"],
                 put[BOTO3_PUT]["mb_per_s_median"],
             )
         )
-        rows.append(
-            _ratio(
-                f"read-through GET via SDK vs boto3 get_object, {name}{tag}",
-                0.9,
-                get[SDK_S3_GET]["mb_per_s_median"],
-                get[BOTO3_GET]["mb_per_s_median"],
-            )
-        )
-        rows.append(
-            _ratio(
-                f"read-through time to first byte vs boto3's, {name}{tag}",
-                1.2,
-                get[URLLIB3_S3_GET]["ttfb_p50_ms"],
-                get[BOTO3_GET]["ttfb_p50_ms"],
-                higher=False,
-            )
-        )
+        rows.append(_read_through(f"{name}{tag}", entry["get"]))
+        rows.append(_first_byte(f"{name}{tag}", entry["get"]))
         for rate, shaped in entry["get_shaped"].items():
-            rows.append(
-                _ratio(
-                    f"read-through GET via SDK vs boto3 get_object, {name}, S3 link {rate}",
-                    0.9,
-                    shaped[SDK_S3_GET]["mb_per_s_median"],
-                    shaped[BOTO3_GET]["mb_per_s_median"],
-                )
-            )
+            rows.append(_read_through(f"{name}, S3 link {rate}", shaped))
         if "ttfb_client_alone" in entry:
-            alone = entry["ttfb_client_alone"]
-            rows.append(
-                _ratio(
-                    f"read-through time to first byte vs boto3's, {name}, client on its own core",
-                    1.2,
-                    alone[URLLIB3_S3_GET]["ttfb_p50_ms"],
-                    alone[BOTO3_GET]["ttfb_p50_ms"],
-                    higher=False,
-                )
-            )
+            rows.append(_first_byte(f"{name}, client on its own core", entry["ttfb_client_alone"]))
     return rows
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import shutil
@@ -50,7 +49,7 @@ from bench.services import (
     proc_memory,
     time_to_healthz,
 )
-from bench.stats import median, percentile
+from bench.stats import median, percentile, target_row
 from tests.support.server import ServerProcess
 
 MiB = 1024 * 1024
@@ -749,20 +748,6 @@ def eviction(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- targets
 
 
-def _ratio_row(
-    name: str, target: float, measured: float, reference: float, higher_is_better: bool = True
-) -> dict[str, Any]:
-    ratio = measured / reference if reference else math.nan
-    ok = ratio >= target if higher_is_better else ratio <= target
-    return {
-        "target": name,
-        "want": f"{'>=' if higher_is_better else '<='} {target:g}x",
-        "ratio": ratio,
-        "pass": bool(ok),
-        "by": ratio - target if higher_is_better else target - ratio,
-    }
-
-
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = put_scale.targets(results)
     workloads = results.get("transfers", {}).get("workloads", {})
@@ -771,7 +756,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         big = name == "mixed" or entry["entry_bytes"]["max"] >= 4_700_000
         if big:
             rows.append(
-                _ratio_row(
+                target_row(
                     f"disk-hit GET via SDK vs nginx+urllib3, {name}",
                     1.0,
                     get["ec-cache SDK, disk hit"]["mb_per_s_median"],
@@ -779,7 +764,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 )
             )
         rows.append(
-            _ratio_row(
+            target_row(
                 f"S3-hit GET via SDK vs boto3 get_object, {name}",
                 0.9,
                 get["ec-cache SDK, S3 hit"]["mb_per_s_median"],
@@ -789,7 +774,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if "put" in entry:
             put = entry["put"]
             rows.append(
-                _ratio_row(
+                target_row(
                     f"PUT write-back via SDK vs nginx DAV PUT, {name}",
                     0.9,
                     put["ec-cache SDK PUT, write-back"]["mb_per_s_median"],
@@ -802,7 +787,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         for clients, level in entry["levels"].items():
             for label in (SCALE_SDK_THREADS, SCALE_SDK_TASKS):
                 rows.append(
-                    _ratio_row(
+                    target_row(
                         f"{label} vs urllib3, same server, {clients} clients, {name}",
                         1.0,
                         level[label]["mb_per_s_median"],
@@ -813,7 +798,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if small:
         for label, reference in ((EC_GET, FLOOR_GET), (EC_HEAD, FLOOR_HEAD)):
             rows.append(
-                _ratio_row(
+                target_row(
                     f"{label} p50 vs {reference} p50, 128 KiB",
                     1.3,
                     small[label]["p50_ms"],
@@ -822,7 +807,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 )
             )
         rows.append(
-            _ratio_row(
+            target_row(
                 f"{EC_SDK_GET} vs {NGINX_GET}, 128 KiB",
                 0.5,
                 small[EC_SDK_GET]["mb_per_s_median"],
@@ -834,7 +819,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     head = lookup_rows.get("ec-cache SDK head, interleaved")
     if batch and head:
         rows.append(
-            _ratio_row(
+            target_row(
                 "exists_many(1000) p50 vs one HEAD p50 (interleaved)",
                 5.0,
                 batch["p50_ms"],
