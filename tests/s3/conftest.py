@@ -22,6 +22,7 @@ from tests.s3.harness import (
     TEST_ACCESS_KEY,
     TEST_SECRET_KEY,
     CountingProxy,
+    FaultyFront,
     S3Endpoint,
     SeaweedFS,
     endpoint_from_env,
@@ -215,3 +216,23 @@ def make_server(tmp_path: Path, s3_endpoint: S3Endpoint, s3_prefix: str) -> Iter
     yield factory
     for srv in servers:
         srv.stop()
+
+
+@pytest.fixture
+def faulty_front(s3_endpoint: S3Endpoint) -> Iterator[FaultyFront]:
+    if not s3_endpoint.endpoint_url.startswith("http://"):
+        pytest.skip("the faulty front forwards plain http:// endpoints only")
+    front = FaultyFront(s3_endpoint.endpoint_url)
+    try:
+        yield front
+    finally:
+        front.close()
+
+
+async def read_object(store: S3Client, key: str) -> bytes | None:
+    """The whole object through ``store.open``, or None when it does not exist."""
+    download = await store.open(key)
+    if download is None:
+        return None
+    async with download:
+        return await download.read_all()

@@ -15,6 +15,7 @@ forwards (endpoint-agnostic, unlike parsing server metrics) and can play an outa
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -316,6 +318,8 @@ class CountingProxy:
     target: str  # http://host:port
     port: int = 0
     requests: list[tuple[str, str]] = field(default_factory=list)
+    #: TCP connections accepted and forwarded.
+    connections: int = 0
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.target)
@@ -399,6 +403,7 @@ class CountingProxy:
             conn = _Conn(sock, upstream)
             with self._lock:
                 self._conns.append(conn)
+                self.connections += 1
             threading.Thread(target=self._pump_requests, args=(conn,), daemon=True).start()
             threading.Thread(target=self._pump_raw, args=(conn,), daemon=True).start()
 
@@ -507,3 +512,74 @@ class _Reader:
                 raise OSError("connection closed inside a body")
             out.sendall(data)
             count -= len(data)
+
+
+ERROR_CODES = {503: "SlowDown", 403: "AccessDenied"}
+
+
+def error_document(status: int) -> bytes:
+    code = ERROR_CODES[status]
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>injected by the test</Message></Error>"
+    ).encode()
+
+
+class FaultyFront:
+    """An HTTP front for an S3 endpoint: answers the next ``failures`` GETs itself with
+    ``status`` and its S3 error document, and forwards every other request unchanged
+    (its signature covers the Host header, which is passed on as received)."""
+
+    def __init__(self, target: str) -> None:
+        parts = urlsplit(target)
+        assert parts.hostname is not None and parts.port is not None
+        upstream = (parts.hostname, parts.port)
+        self.failures = 0
+        self.status = 503
+        self.gets = 0
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                front.gets += 1
+                if front.failures > 0:
+                    front.failures -= 1
+                    document = error_document(front.status)
+                    self.send_response(front.status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(document)))
+                    self.end_headers()
+                    self.wfile.write(document)
+                    return
+                conn = http.client.HTTPConnection(*upstream, timeout=20)
+                try:
+                    conn.request("GET", self.path, headers=dict(self.headers.items()))
+                    answer = conn.getresponse()
+                    data = answer.read()
+                finally:
+                    conn.close()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("content-length", "connection", "transfer-encoding"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

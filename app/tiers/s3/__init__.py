@@ -3,7 +3,9 @@
 * ``errors``: :class:`S3Error` / :class:`S3Unavailable` and the mapping of botocore failures;
 * ``client``: the S3 client of one bucket: thread pool, metrics, circuit breaker,
   streaming download (object keys only);
-* ``signed_get``: the read path's GET, signed by hand on boto3's connection pool;
+* ``loop_get``: the read path's GET, signed with botocore's signer and read on the event
+  loop;
+* ``signed_get``: the same GET on boto3's transport, for an endpoint behind a proxy;
 * ``transfers``: single and multipart uploads with CRC32C checks;
 * ``readiness``: bucket creation and the operator's diagnosis for ``/readyz``;
 * ``backend``: :class:`S3Backend`, the :class:`app.tiers.base.Backend` the store uses

@@ -5,7 +5,8 @@ connection pool) so the event loop never blocks. :meth:`S3Client.call` is the on
 call is made: it counts and times it, maps its failure onto :class:`S3Error` /
 :class:`S3Unavailable` (``errors``) and answers ``None`` for a missing object where the
 caller allows it. Every call is a boto3 call except the read path's GET (:meth:`open`),
-which is ``signed_get``'s lean signed request on boto3's connection pool.
+which ``loop_get`` makes on the event loop (``signed_get`` on boto3's connection pool
+where the endpoint is behind a proxy).
 
 After an :class:`S3Unavailable`, calls fail fast for ``EC_S3_UNAVAILABLE_COOLDOWN``
 seconds (a tiny circuit breaker) so a dead endpoint costs each request no more than one
@@ -24,11 +25,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import boto3
 from botocore.config import Config
@@ -38,6 +39,7 @@ from app import wire
 from app.metrics import S3Metrics
 from app.settings import Settings
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
+from app.tiers.s3.loop_get import LoopGet
 from app.tiers.s3.signed_get import SignedGet
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,6 @@ T = TypeVar("T")
 
 METADATA_HEADER = "x-amz-meta-"
 METADATA_CRC_KEY = "ec-crc32c"  # sent as x-amz-meta-ec-crc32c
-#: The first read of a GET body (then reads grow x8 up to ``EC_S3_GET_CHUNK_SIZE``).
-FIRST_READ_BYTES = 64 * 1024
-#: Chunks a download reads ahead of its consumer at most.
-READ_AHEAD = 2
 #: Path-style addressing: any endpoint works without wildcard DNS.
 ADDRESSING_STYLE = "path"
 
@@ -92,7 +90,7 @@ def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
 
 
 def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:
-    """``_info_from_response`` for the raw headers of a GET (``signed_get``)."""
+    """``_info_from_response`` for the raw headers of a GET (``loop_get``, ``signed_get``)."""
     lowered = ((name.lower(), value) for name, value in headers.items())
     metadata = {
         name[len(METADATA_HEADER) :]: value
@@ -123,30 +121,27 @@ def _info_from_response(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
 # --------------------------------------------------------------------------- download
 
 
+class ObjectBody(Protocol):
+    """The body of an open GET, from either transport (``loop_get``, ``signed_get``)."""
+
+    async def read(self) -> bytes:
+        """The next chunk; ``b""`` at the end. Raises the transport's exceptions."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
 class S3Download:
-    """An open S3 GET: ``info`` is known, the body is read in chunks on the S3 thread pool,
-    never buffered whole. Always ``aclose()`` it (or use ``async with``); closing early
-    drops the connection instead of draining the body.
+    """An open S3 GET: ``info`` is known, the body is still on the wire and is read in
+    chunks, never buffered whole. Always ``aclose()`` it (or use ``async with``); closing
+    early drops the connection instead of draining the body."""
 
-    ``first``: the start of the body, read by the job that opened the GET (see
-    :meth:`S3Client.open`). One pool job reads the rest (``READ_AHEAD`` chunks ahead of
-    the consumer at most) and hands each chunk to the event loop as it arrives: one
-    wake-up of the loop per chunk, instead of a job submitted and a future resolved per
-    chunk."""
-
-    def __init__(self, s3: S3Client, info: ObjectInfo, body: Any, first: bytes) -> None:
+    def __init__(self, s3: S3Client, info: ObjectInfo, body: ObjectBody) -> None:
         self.info = info
         self._s3 = s3
         self._body = body
-        self._first = first
-        self._job: asyncio.Future[None] | None = None
         self._started = False
         self._closed = False
-        self._stop = False
-        self._received = 0
-        self._room = threading.Semaphore(READ_AHEAD)
-        if first:
-            self._room.acquire()  # ``first`` holds one of the read-ahead places
 
     async def __aenter__(self) -> S3Download:
         return self
@@ -159,37 +154,6 @@ class S3Download:
     ) -> None:
         await self.aclose()
 
-    def _pump(self, post: Callable[[bytes | BaseException | None], None]) -> None:
-        """On a pool thread: read the body to its end (or until closed), passing each
-        chunk to ``post``; ``post(None)`` at the end, or the exception that stopped
-        it."""
-        # Reads grow from the first one's size (small: see S3Client.open) to
-        # EC_S3_GET_CHUNK_SIZE.
-        size = min(FIRST_READ_BYTES * 8, self._s3.settings.s3_get_chunk_size)
-        remaining = self.info.size - len(self._first)
-        try:
-            while True:
-                self._room.acquire()
-                if self._stop:
-                    return
-                try:
-                    data: bytes = self._body.read(size)
-                except Exception as exc:
-                    raise map_error(exc, "get", self._s3.cooldown) from exc
-                if not data:
-                    post(None)
-                    return
-                post(data)
-                remaining -= len(data)
-                if remaining <= 0:
-                    # The whole body: the end is known without one more read (and one
-                    # more wait for room), and the connection is back in the pool.
-                    post(None)
-                    return
-                size = min(size * 8, self._s3.settings.s3_get_chunk_size)
-        except BaseException as exc:
-            post(exc)
-
     async def chunks(self) -> AsyncIterator[bytes]:
         """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
         :class:`S3Unavailable` when the connection breaks mid-body (the body is then
@@ -197,41 +161,29 @@ class S3Download:
         if self._closed or self._started:
             raise RuntimeError("download already closed or being read")
         self._started = True
-        loop = asyncio.get_running_loop()
         metrics = self._s3.metrics
-        arrived: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
-
-        def post(item: bytes | BaseException | None) -> None:
-            loop.call_soon_threadsafe(arrived.put_nowait, item)
-
-        if self._first:
-            arrived.put_nowait(self._first)
-        if len(self._first) < self.info.size:
-            self._job = loop.run_in_executor(self._s3.executor, self._pump, post)
-        else:  # the whole body came with the first read
-            arrived.put_nowait(None)
+        received = 0
         try:
             while True:
-                item = await arrived.get()
-                if item is None:
+                try:
+                    chunk = await self._body.read()
+                except Exception as exc:
+                    raise map_error(exc, "get", self._s3.cooldown) from exc
+                if not chunk:
                     break
-                if isinstance(item, BaseException):
-                    raise item
-                self._room.release()
-                self._received += len(item)
-                metrics.bytes_down.inc(len(item))
-                yield item
+                received += len(chunk)
+                metrics.bytes_down.inc(len(chunk))
+                yield chunk
         except S3Unavailable:
             self._s3.mark_unavailable()
             metrics.requests.labels("get_body", "unavailable").inc()
             raise
-        if self._received != self.info.size:
+        if received != self.info.size:
             # The connection closed early (a reset or an outage seen as a short body).
             self._s3.mark_unavailable()
             metrics.requests.labels("get_body", "unavailable").inc()
             raise S3Unavailable(
-                f"S3 get of {self.info.key}: body ended after {self._received} of "
-                f"{self.info.size} bytes"
+                f"S3 get of {self.info.key}: body ended after {received} of {self.info.size} bytes"
             )
         metrics.requests.labels("get_body", "ok").inc()
 
@@ -244,27 +196,9 @@ class S3Download:
         return b"".join(parts)
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        job, self._job = self._job, None
-        body = self._body
-
-        def _close() -> None:
-            try:
-                body.close()
-            except Exception:  # closing a broken connection must not mask the real error
-                log.debug("closing S3 body failed", exc_info=True)
-
-        loop = asyncio.get_running_loop()
-        if job is not None:
-            # The reading job may be inside a read: let it finish before closing the
-            # stream under it (urllib3 responses are not thread-safe).
-            self._stop = True
-            self._room.release()
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(job)
-        await loop.run_in_executor(self._s3.executor, _close)
+        if not self._closed:
+            self._closed = True
+            await self._body.aclose()
 
 
 # --------------------------------------------------------------------------- client
@@ -359,10 +293,29 @@ class S3Client:
                 **common,
             ),
         )
-        #: The read path's GET (``open``): boto3's pool and settings, not its pipeline.
-        self._get = SignedGet(
-            self.client, self.bucket, session.get_credentials(), settings.s3_max_attempts
-        )
+        #: The read path's GET (``open``): on the event loop, or on boto3's transport
+        #: where a proxy stands between us and the endpoint.
+        credentials = session.get_credentials()
+        self._get: LoopGet | SignedGet
+        if self.client._endpoint.http_session._proxy_config.proxy_url_for(
+            self.client.meta.endpoint_url
+        ):
+            self._get = SignedGet(
+                self.client,
+                self.bucket,
+                credentials,
+                settings.s3_max_attempts,
+                self.executor,
+                settings.s3_get_chunk_size,
+            )
+        else:
+            self._get = LoopGet(
+                self.client,
+                self.bucket,
+                credentials,
+                settings.s3_max_attempts,
+                settings.s3_get_chunk_size,
+            )
         self._lock = threading.Lock()
         self._unavailable_until = 0.0
         self._last_unavailable: str | None = None
@@ -423,23 +376,46 @@ class S3Client:
         try:
             result = fn()
         except Exception as exc:
-            self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
-            if not_found_ok and is_not_found(exc):
-                self.metrics.requests.labels(operation, "not_found").inc()
-                self.mark_available()
-                return None
-            mapped = map_error(exc, operation, self.cooldown)
-            if isinstance(mapped, S3Unavailable):
-                self.metrics.requests.labels(operation, "unavailable").inc()
-                self.mark_unavailable(str(mapped))
-            else:
-                self.metrics.requests.labels(operation, "error").inc()
-                self.mark_available()  # it answered, so it is reachable
-            raise mapped from exc
+            self._failed(operation, started, exc, not_found_ok)
+            return None
+        self._succeeded(operation, started)
+        return result
+
+    async def _call_on_loop(
+        self, operation: str, fn: Callable[[], Awaitable[T]], *, not_found_ok: bool = False
+    ) -> T | None:
+        """:meth:`call` for a call made on the event loop."""
+        self._check_breaker(operation)
+        started = time.perf_counter()
+        try:
+            result = await fn()
+        except Exception as exc:
+            self._failed(operation, started, exc, not_found_ok)
+            return None
+        self._succeeded(operation, started)
+        return result
+
+    def _succeeded(self, operation: str, started: float) -> None:
         self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
         self.metrics.requests.labels(operation, "ok").inc()
         self.mark_available()
-        return result
+
+    def _failed(self, operation: str, started: float, exc: Exception, not_found_ok: bool) -> None:
+        """Count ``exc``; return for a missing object when ``not_found_ok``, else raise
+        it mapped (opening the breaker if S3 is unavailable)."""
+        self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
+        if not_found_ok and is_not_found(exc):
+            self.metrics.requests.labels(operation, "not_found").inc()
+            self.mark_available()
+            return
+        mapped = map_error(exc, operation, self.cooldown)
+        if isinstance(mapped, S3Unavailable):
+            self.metrics.requests.labels(operation, "unavailable").inc()
+            self.mark_unavailable(str(mapped))
+        else:
+            self.metrics.requests.labels(operation, "error").inc()
+            self.mark_available()  # it answered, so it is reachable
+        raise mapped from exc
 
     async def call(
         self,
@@ -471,25 +447,13 @@ class S3Client:
     async def open(self, key: str) -> S3Download | None:
         """Start a GET: ``None`` when the object does not exist, else an open download
         whose headers (size, CRC32C) are known and whose body is still on the wire."""
-        first_bytes = min(FIRST_READ_BYTES, self.settings.s3_get_chunk_size)
-
-        def get() -> tuple[Mapping[str, str], Any, bytes]:
-            headers, body = self._get.get(key)
-            # The start of the body is read by this same job: small, so the safetensors
-            # header (and with it a read-through's answer) is known after one round
-            # trip, and the first bytes reach the loop without another hand-over to
-            # the pool and back.
-            try:
-                return headers, body, body.read(first_bytes)
-            except BaseException:
-                body.close()
-                raise
-
-        answer = await self.call("get", get, not_found_ok=True)
+        answer: tuple[Mapping[str, str], ObjectBody] | None = await self._call_on_loop(
+            "get", lambda: self._get.open(key), not_found_ok=True
+        )
         if answer is None:
             return None
-        headers, body, first = answer
-        return S3Download(self, _info_from_headers(key, headers), body, first)
+        headers, body = answer
+        return S3Download(self, _info_from_headers(key, headers), body)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes | None:
         """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``
@@ -581,6 +545,8 @@ class S3Client:
     def shutdown(self) -> None:
         """Synchronous :meth:`close` (for code outside an event loop)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self._get, LoopGet):
+            self._get.close()
         for client in (self.client, self.stream_client, self.probe_client):
             try:
                 client.close()

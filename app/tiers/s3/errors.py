@@ -9,6 +9,7 @@ callers ask :func:`is_not_found` and answer ``None``.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -113,3 +114,19 @@ def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S
     if isinstance(exc, bce.BotoCoreError):
         return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")
     return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")
+
+
+#: botocore's standard retry mode: full jitter over min(base * 2**attempt, MAX_BACKOFF).
+BASE_BACKOFF = 0.05
+THROTTLING_BACKOFF = 1.0
+MAX_BACKOFF = 20.0
+
+
+def retry_delay(exc: BaseException, attempt: int, max_attempts: int) -> float | None:
+    """Seconds to wait before retrying after failed attempt number ``attempt`` (from 1),
+    or None when it must not be retried: out of attempts, or a failure ``map_error``
+    does not call unavailable (connection errors, 5xx and throttling are)."""
+    if attempt >= max_attempts or not isinstance(map_error(exc, "get"), S3Unavailable):
+        return None
+    scale = THROTTLING_BACKOFF if is_throttling(exc) else BASE_BACKOFF
+    return random.random() * min(scale * 2.0 ** (attempt - 1), MAX_BACKOFF)

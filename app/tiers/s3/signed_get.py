@@ -1,4 +1,6 @@
-"""The read path's GET: one SigV4-signed request on boto3's own connection pool.
+"""The read path's GET on botocore's transport: one SigV4-signed request on boto3's own
+connection pool, its body read on the S3 thread pool. ``S3Client`` uses it where the
+endpoint is reached through a proxy; everywhere else ``loop_get`` reads on the event loop.
 
 A read-through GET waits for S3's first byte before it can answer, so everything spent
 before that byte is paid by the client. boto3's ``get_object`` spends about 1 ms of CPU
@@ -7,26 +9,30 @@ response parsing), as much as the whole request costs S3 for a small object. Thi
 keeps what matters from botocore and drops the rest:
 
 * signing: botocore's ``S3SigV4Auth`` with the session's credentials, frozen per
-  request (refreshable credentials refresh themselves, as in boto3);
+  request (refreshable credentials refresh themselves, as in boto3) — :func:`sign`,
+  shared with ``loop_get``;
 * transport: the boto3 client's own ``URLLib3Session`` (TLS verification and CA
   bundle, proxies, timeouts, pool size, keep-alive as configured), so both share one
   connection pool, and its exceptions are botocore's;
 * errors: a non-200 answer becomes a botocore ``ClientError`` (code and message from
   S3's XML error document), so ``errors.map_error`` maps it like any boto3 failure;
-* retries: failures that ``map_error`` calls unavailable (connection errors, 5xx,
-  throttling) are retried up to ``EC_S3_MAX_ATTEMPTS`` with botocore's "standard"
-  backoff (full jitter, 50 ms base, 1 s for throttling).
+* retries: ``errors.retry_delay`` (botocore's "standard" mode) up to
+  ``EC_S3_MAX_ATTEMPTS``.
 
-Path-style addressing only (``client.ADDRESSING_STYLE``). The body is returned unread,
-a urllib3 response read exactly as botocore's ``StreamingBody`` reads it.
+Path-style addressing only (``client.ADDRESSING_STYLE``). The body is a urllib3 response
+read exactly as botocore's ``StreamingBody`` reads it, by one pool job per GET.
 """
 
 from __future__ import annotations
 
-import random
+import asyncio
+import contextlib
+import logging
+import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from typing import Any
 from urllib.parse import quote
 
@@ -35,72 +41,36 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from app.tiers.s3.errors import S3Unavailable, is_throttling, map_error
+from app.tiers.s3.errors import retry_delay
 
-#: botocore's standard retry mode: full jitter over min(base * 2**attempt, MAX_BACKOFF).
-BASE_BACKOFF = 0.05
-THROTTLING_BACKOFF = 1.0
-MAX_BACKOFF = 20.0
+log = logging.getLogger(__name__)
+
 #: Bytes of an error answer read for its XML document.
 ERROR_BODY_BYTES = 64 * 1024
+#: The first chunk of a GET body: small, so the safetensors header (and with it a
+#: read-through's answer) is known after one round trip. Chunks then grow x8 up to
+#: ``EC_S3_GET_CHUNK_SIZE``.
+FIRST_READ_BYTES = 64 * 1024
+#: Chunks a download reads ahead of its consumer at most.
+READ_AHEAD = 2
 
 
-class SignedGet:
-    """GETs of objects in ``bucket`` through the boto3 ``client``'s endpoint, region and
-    connection pool, signed with ``credentials`` (None: none found; each GET then fails
-    the way boto3 would)."""
-
-    def __init__(
-        self, client: Any, bucket: str, credentials: Credentials | None, max_attempts: int
-    ) -> None:
-        self._endpoint = client.meta.endpoint_url.rstrip("/")
-        self._region: str = client.meta.region_name
-        # botocore keeps its HTTP session on the client's endpoint; there is no public
-        # accessor. Using it keeps one pool and one set of transport settings.
-        self._http = client._endpoint.http_session
-        self._bucket = bucket
-        self._credentials = credentials
-        self._max_attempts = max_attempts
-
-    def get(self, key: str) -> tuple[Mapping[str, str], Any]:
-        """The response headers and the unread body (a urllib3 response) of ``key``.
-        Raises botocore's exceptions: ``ClientError`` for an error answer (a missing
-        object included), connection errors after the last attempt."""
-        attempt = 0
-        while True:
-            try:
-                return self._get_once(key)
-            except Exception as exc:
-                attempt += 1
-                if attempt >= self._max_attempts or not isinstance(
-                    map_error(exc, "get"), S3Unavailable
-                ):
-                    raise
-                scale = THROTTLING_BACKOFF if is_throttling(exc) else BASE_BACKOFF
-                time.sleep(random.random() * min(scale * 2 ** (attempt - 1), MAX_BACKOFF))
-
-    def _get_once(self, key: str) -> tuple[Mapping[str, str], Any]:
-        if self._credentials is None:
-            raise bce.NoCredentialsError()
-        url = f"{self._endpoint}/{self._bucket}/{quote(key, safe='/~')}"
-        request = AWSRequest(method="GET", url=url, headers={"x-amz-checksum-mode": "ENABLED"})
-        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(
-            request
-        )
-        prepared = request.prepare()
-        prepared.stream_output = True
-        response = self._http.send(prepared)
-        raw = response.raw
-        if response.status_code == 200:
-            return response.headers, raw
-        try:
-            document = raw.read(ERROR_BODY_BYTES)
-        finally:
-            raw.close()
-        raise _client_error(response.status_code, response.headers, document)
+def object_url(endpoint: str, bucket: str, key: str) -> str:
+    """The path-style URL of ``key`` (``endpoint`` without a trailing slash)."""
+    return f"{endpoint}/{bucket}/{quote(key, safe='/~')}"
 
 
-def _client_error(status: int, headers: Mapping[str, str], document: bytes) -> bce.ClientError:
+def sign(credentials: Credentials | None, region: str, url: str) -> dict[str, str]:
+    """The headers of a SigV4-signed GET of ``url`` (the Host header excepted: the
+    transport sends it, and the signature covers botocore's form of it)."""
+    if credentials is None:
+        raise bce.NoCredentialsError()
+    request = AWSRequest(method="GET", url=url, headers={"x-amz-checksum-mode": "ENABLED"})
+    S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
+    return dict(request.headers.items())
+
+
+def client_error(status: int, headers: Mapping[str, str], document: bytes) -> bce.ClientError:
     """The ``ClientError`` boto3 raises for this error answer."""
     code, message = str(status), ""
     try:
@@ -117,3 +87,167 @@ def _client_error(status: int, headers: Mapping[str, str], document: bytes) -> b
         },
         "GetObject",
     )
+
+
+class SignedGet:
+    """GETs of objects in ``bucket`` through the boto3 ``client``'s endpoint, region and
+    connection pool, signed with ``credentials`` (None: none found; each GET then fails
+    the way boto3 would), their bodies read on ``executor`` in chunks of up to
+    ``chunk_size`` bytes."""
+
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        credentials: Credentials | None,
+        max_attempts: int,
+        executor: Executor,
+        chunk_size: int,
+    ) -> None:
+        self._endpoint = client.meta.endpoint_url.rstrip("/")
+        self._region: str = client.meta.region_name
+        # botocore keeps its HTTP session on the client's endpoint; there is no public
+        # accessor. Using it keeps one pool and one set of transport settings.
+        self._http = client._endpoint.http_session
+        self._bucket = bucket
+        self._credentials = credentials
+        self._max_attempts = max_attempts
+        self._executor = executor
+        self._chunk_size = chunk_size
+
+    async def open(self, key: str) -> tuple[Mapping[str, str], ThreadedBody]:
+        """The response headers and the body of ``key``, its first chunk read. Raises
+        botocore's exceptions: ``ClientError`` for an error answer (a missing object
+        included), connection errors after the last attempt."""
+        loop = asyncio.get_running_loop()
+        headers, raw, first = await loop.run_in_executor(self._executor, self._open, key)
+        size = int(headers.get("content-length", len(first)))
+        return headers, ThreadedBody(self._executor, raw, first, size, self._chunk_size)
+
+    def _open(self, key: str) -> tuple[Mapping[str, str], Any, bytes]:
+        attempt = 0
+        while True:
+            try:
+                headers, raw = self._get_once(key)
+                break
+            except Exception as exc:
+                attempt += 1
+                delay = retry_delay(exc, attempt, self._max_attempts)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+        # The first chunk is read by this same job, so it reaches the loop without
+        # another hand-over to the pool and back.
+        try:
+            return headers, raw, raw.read(min(FIRST_READ_BYTES, self._chunk_size))
+        except BaseException:
+            raw.close()
+            raise
+
+    def _get_once(self, key: str) -> tuple[Mapping[str, str], Any]:
+        url = object_url(self._endpoint, self._bucket, key)
+        request = AWSRequest(
+            method="GET", url=url, headers=sign(self._credentials, self._region, url)
+        )
+        prepared = request.prepare()
+        prepared.stream_output = True
+        response = self._http.send(prepared)
+        raw = response.raw
+        if response.status_code == 200:
+            return response.headers, raw
+        try:
+            document = raw.read(ERROR_BODY_BYTES)
+        finally:
+            raw.close()
+        raise client_error(response.status_code, response.headers, document)
+
+
+class ThreadedBody:
+    """The body of a :class:`SignedGet`: one pool job reads it (``READ_AHEAD`` chunks
+    ahead of the consumer at most) and hands each chunk to the event loop as it arrives,
+    one wake-up of the loop per chunk instead of a job submitted per chunk."""
+
+    def __init__(
+        self, executor: Executor, raw: Any, first: bytes, size: int, chunk_size: int
+    ) -> None:
+        self._executor = executor
+        self._raw = raw
+        self._size = size
+        self._chunk_size = chunk_size
+        self._arrived: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self._job: asyncio.Future[None] | None = None
+        self._stop = False
+        self._closed = False
+        self._room = threading.Semaphore(READ_AHEAD)
+        if first:
+            self._room.acquire()  # ``first`` holds one of the read-ahead places
+            self._arrived.put_nowait(first)
+        if len(first) >= size:  # the whole body came with the first read
+            self._arrived.put_nowait(None)
+        self._remaining = size - len(first)
+
+    async def read(self) -> bytes:
+        """The next chunk; ``b""`` at the end of the body."""
+        if self._job is None and self._remaining > 0:
+            loop = asyncio.get_running_loop()
+
+            def post(item: bytes | BaseException | None) -> None:
+                loop.call_soon_threadsafe(self._arrived.put_nowait, item)
+
+            self._job = loop.run_in_executor(self._executor, self._pump, post)
+        item = await self._arrived.get()
+        if item is None:
+            self._arrived.put_nowait(None)  # every later read is at the end too
+            return b""
+        if isinstance(item, BaseException):
+            raise item
+        self._room.release()
+        return item
+
+    def _pump(self, post: Callable[[bytes | BaseException | None], None]) -> None:
+        """On a pool thread: read the body to its end (or until closed), passing each
+        chunk to ``post``; ``post(None)`` at the end, or the exception that stopped it."""
+        size = min(FIRST_READ_BYTES * 8, self._chunk_size)
+        remaining = self._remaining
+        try:
+            while True:
+                self._room.acquire()
+                if self._stop:
+                    return
+                data: bytes = self._raw.read(size)
+                if not data:
+                    post(None)
+                    return
+                post(data)
+                remaining -= len(data)
+                if remaining <= 0:
+                    # The whole body: the end is known without one more read (and one
+                    # more wait for room), and the connection is back in the pool.
+                    post(None)
+                    return
+                size = min(size * 8, self._chunk_size)
+        except BaseException as exc:
+            post(exc)
+
+    async def aclose(self) -> None:
+        """Stop reading; an unread rest drops the connection instead of draining it."""
+        if self._closed:
+            return
+        self._closed = True
+        job, self._job = self._job, None
+        raw = self._raw
+
+        def _close() -> None:
+            try:
+                raw.close()
+            except Exception:  # closing a broken connection must not mask the real error
+                log.debug("closing S3 body failed", exc_info=True)
+
+        if job is not None:
+            # The reading job may be inside a read: let it finish before closing the
+            # stream under it (urllib3 responses are not thread-safe).
+            self._stop = True
+            self._room.release()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(job)
+        await asyncio.get_running_loop().run_in_executor(self._executor, _close)

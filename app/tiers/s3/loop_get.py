@@ -1,0 +1,369 @@
+"""The read path's GET on the event loop: S3's answer is read where it is consumed.
+
+A read-through GET relays S3's body to its client as it arrives. Read through botocore's
+transport (``signed_get``), each GET crosses to a pool thread and back, spends about 1 ms
+of urllib3 and http.client Python, and every chunk wakes the loop from that thread. Here
+the request is written and the answer parsed on the event loop itself: httptools (llhttp,
+the parser uvicorn uses) splits the answer, and the body goes from S3's socket to the
+consumer with no thread in between.
+
+What it keeps of the boto3 client: the SigV4 signature (``signed_get.sign``), the
+endpoint, the TLS verification and CA bundle of its transport, the connect and read
+timeouts, and ``EC_S3_MAX_POOL_CONNECTIONS`` as the number of idle connections kept
+alive for reuse. An endpoint reached through a proxy is read with ``signed_get`` instead
+(``S3Client`` decides).
+
+Failures are those ``errors.map_error`` knows: ``ConnectionError`` (refused, reset,
+closed early, TLS), ``TimeoutError`` (connect, or no byte for the read timeout), and
+``ClientError`` for an error answer. Failed attempts are retried like ``signed_get``'s,
+and a kept-alive connection that S3 closed before answering is replaced at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import httptools
+from botocore.auth import _host_from_url
+from botocore.credentials import Credentials
+from botocore.httpsession import get_cert_path
+
+from app.tiers.s3.errors import retry_delay
+from app.tiers.s3.signed_get import (
+    ERROR_BODY_BYTES,
+    FIRST_READ_BYTES,
+    READ_AHEAD,
+    client_error,
+    object_url,
+    sign,
+)
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection to S3, one exchange at a time.
+
+    The body is kept as the pieces received; :meth:`read` hands ``want`` bytes of them
+    over joined once they are there (or the rest, once the answer is complete), so the
+    consumer wakes once per chunk, not once per socket read. Reading pauses at
+    ``READ_AHEAD`` chunks ahead.
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._last_activity = self._loop.time()
+        self.closed = False
+        self._start(0, 0)
+
+    def _start(self, want: int, most: int) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.answered = False  # a byte of the answer arrived
+        self.headers_done = False
+        self.complete = False
+        self._keep_alive = False
+        self.error: BaseException | None = None
+        self._parts: deque[bytes] = deque()
+        self._buffered = 0
+        self._want = want
+        self._most = most
+        self._paused = False
+
+    def send(self, request: bytes, want: int, most: int) -> None:
+        """Write ``request``; its body will be handed over in chunks of ``want`` bytes,
+        growing x8 up to ``most``."""
+        assert self._transport is not None
+        if self.closed or self._transport.is_closing():
+            raise ConnectionError("S3 closed the connection")
+        self._parser = httptools.HttpResponseParser(self)
+        self._start(want, most)
+        self._last_activity = self._loop.time()
+        self._transport.write(request)
+
+    @property
+    def reusable(self) -> bool:
+        return self.complete and not self.closed and self.error is None and self._keep_alive
+
+    def close(self) -> None:
+        # A loop already closed (a shutdown outside it) has dropped its transports.
+        if self._transport is not None and not self.closed and not self._loop.is_closed():
+            self._transport.abort()
+        self.closed = True
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.answered = True
+        self._last_activity = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionError(f"S3 sent a malformed HTTP answer: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        self.closed = True  # not to be reused; connection_lost follows
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete:
+            reason = f": {exc}" if exc is not None else ""
+            self._fail(ConnectionError(f"S3 closed the connection mid-answer{reason}"))
+        self._wake()
+
+    # -- httptools callbacks ----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._parts.append(body)
+        self._buffered += len(body)
+        if self._buffered >= self._want:
+            self._wake()
+            if self._buffered >= READ_AHEAD * self._want and not self._paused:
+                assert self._transport is not None
+                self._transport.pause_reading()
+                self._paused = True
+
+    def on_message_complete(self) -> None:
+        # Asked now: once the message is complete the parser has forgotten it.
+        self._keep_alive = self._parser.should_keep_alive()
+        self.complete = True
+        self._wake()
+
+    def _take(self, size: int) -> bytes:
+        """Up to ``size`` bytes of the body received (only a piece cut in two is
+        copied before the join)."""
+        taken: list[bytes] = []
+        count = 0
+        while self._parts and count < size:
+            piece = self._parts.popleft()
+            if count + len(piece) > size:
+                cut = size - count
+                self._parts.appendleft(piece[cut:])
+                piece = piece[:cut]
+            taken.append(piece)
+            count += len(piece)
+        self._buffered -= count
+        return taken[0] if len(taken) == 1 else b"".join(taken)
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self, timeout: float) -> None:
+        """Until the next wake-up; ``TimeoutError`` after ``timeout`` s without a byte
+        from S3 (the socket-level read timeout botocore applies)."""
+        while True:
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                async with asyncio.timeout_at(self._last_activity + timeout):
+                    await waiter
+                return
+            except TimeoutError:
+                if self._loop.time() - self._last_activity >= timeout:
+                    raise TimeoutError(f"S3 sent nothing for {timeout:g} s") from None
+            finally:
+                self._waiter = None
+
+    async def wait_headers(self, timeout: float) -> None:
+        while not self.headers_done:
+            if self.error is not None:
+                raise self.error
+            await self._wait(timeout)
+
+    async def read(self, timeout: float) -> bytes:
+        """The next chunk of the body; ``b""`` at its end."""
+        while self._buffered < self._want and not self.complete and self.error is None:
+            await self._wait(timeout)
+        if self._parts:
+            data = self._take(self._want)
+            self._want = min(self._want * 8, self._most)
+            if self._paused:
+                assert self._transport is not None
+                self._transport.resume_reading()
+                self._paused = False
+            return data
+        if self.complete:
+            return b""
+        assert self.error is not None
+        raise self.error
+
+
+class LoopBody:
+    """The body of a :class:`LoopGet`. Read to its end, its connection goes back to the
+    pool; closed earlier, the connection is dropped instead of drained."""
+
+    def __init__(self, get: LoopGet, connection: _Connection) -> None:
+        self._get = get
+        self._connection: _Connection | None = connection
+
+    async def read(self) -> bytes:
+        """The next chunk; ``b""`` at the end of the body."""
+        if self._connection is None:
+            return b""
+        data = await self._connection.read(self._get.read_timeout)
+        if not data:
+            await self.aclose()
+        return data
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._get.release(connection)
+
+
+class LoopGet:
+    """GETs of objects in ``bucket`` at the boto3 ``client``'s endpoint, signed with
+    ``credentials`` (None: none found; each GET then fails the way boto3 would), bodies
+    handed over in chunks of up to ``chunk_size`` bytes."""
+
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        credentials: Credentials | None,
+        max_attempts: int,
+        chunk_size: int,
+    ) -> None:
+        self._endpoint: str = client.meta.endpoint_url.rstrip("/")
+        self._region: str = client.meta.region_name
+        self._bucket = bucket
+        self._credentials = credentials
+        self._max_attempts = max_attempts
+        self._chunk_size = chunk_size
+        config = client.meta.config
+        self._connect_timeout: float = config.connect_timeout
+        self.read_timeout: float = config.read_timeout
+        self._max_idle: int = config.max_pool_connections
+        parts = urlsplit(self._endpoint)
+        https = parts.scheme == "https"
+        self._address = (parts.hostname or "", parts.port or (443 if https else 80))
+        self._host = _host_from_url(self._endpoint)
+        # botocore's transport has no public accessor; its ``_verify`` is what the client
+        # resolved from ``verify=`` and the AWS_CA_BUNDLE / config chain.
+        self._ssl = _tls_context(client._endpoint.http_session._verify) if https else None
+        self._idle: list[_Connection] = []
+
+    async def open(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
+        """The response headers and the unread body of ``key``. Raises ``ClientError``
+        for an error answer (a missing object included), ``ConnectionError`` or
+        ``TimeoutError`` after the last attempt."""
+        attempt = 0
+        while True:
+            try:
+                return await self._open_once(key)
+            except Exception as exc:
+                attempt += 1
+                delay = retry_delay(exc, attempt, self._max_attempts)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+
+    async def _open_once(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
+        url = object_url(self._endpoint, self._bucket, key)
+        lines = [f"GET {url[len(self._endpoint) :]} HTTP/1.1", f"Host: {self._host}"]
+        lines += [
+            f"{name}: {value}" for name, value in sign(self._credentials, self._region, url).items()
+        ]
+        request = ("\r\n".join(lines) + "\r\nUser-Agent: ec-cache\r\n\r\n").encode("latin-1")
+        want = min(FIRST_READ_BYTES, self._chunk_size)
+        connection = self._take_idle()
+        reused = connection is not None
+        if connection is None:
+            connection = await self._connect()
+        try:
+            try:
+                connection.send(request, want, self._chunk_size)
+                await connection.wait_headers(self.read_timeout)
+            except ConnectionError:
+                if not reused or connection.answered:
+                    raise
+                # S3 closed the kept-alive connection before it answered: a new
+                # connection, not a failed attempt (urllib3 does the same).
+                connection.close()
+                connection = await self._connect()
+                connection.send(request, want, self._chunk_size)
+                await connection.wait_headers(self.read_timeout)
+            if connection.status == 200:
+                return connection.headers, LoopBody(self, connection)
+            document = b""
+            while len(document) < ERROR_BODY_BYTES:
+                chunk = await connection.read(self.read_timeout)
+                if not chunk:
+                    break
+                document += chunk
+        except BaseException:
+            connection.close()
+            raise
+        self.release(connection)
+        raise client_error(connection.status, connection.headers, document)
+
+    def _take_idle(self) -> _Connection | None:
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.closed:
+                return connection
+        return None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        host, port = self._address
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, connection = await loop.create_connection(_Connection, host, port, ssl=self._ssl)
+        except TimeoutError:
+            raise TimeoutError(
+                f"connecting to {self._endpoint} timed out after {self._connect_timeout:g} s"
+            ) from None
+        except OSError as exc:  # refused, unreachable, name not known, TLS verification
+            raise ConnectionError(f"could not connect to {self._endpoint}: {exc}") from exc
+        return connection
+
+    def release(self, connection: _Connection) -> None:
+        """Keep ``connection`` for the next GET if its exchange ended cleanly."""
+        if connection.reusable and len(self._idle) < self._max_idle:
+            self._idle.append(connection)
+        else:
+            connection.close()
+
+    def close(self) -> None:
+        """Close the idle connections."""
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+
+def _tls_context(verify: bool | str | None) -> ssl.SSLContext:
+    """TLS as botocore's transport does it: ``verify`` False trusts any certificate,
+    True the default CA bundle, a path that bundle."""
+    if verify is False:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    return ssl.create_default_context(cafile=get_cert_path(verify))

@@ -1,0 +1,210 @@
+"""The read path's GET on the event loop (``app/tiers/s3/loop_get.py``): kept-alive
+connections, bodies closed early, connections S3 closed, read timeouts, TLS, and the
+switch to botocore's transport (``signed_get``) behind a proxy. Against the real S3
+endpoint where the behaviour is S3's, against a scripted server where it is the
+network's."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import trustme
+
+from app.checksum import crc32c as crc
+from app.tiers.s3.errors import S3Unavailable
+from app.tiers.s3.transfers import put_bytes
+from tests.s3.conftest import MiB, StoreFactory, read_object
+from tests.s3.harness import CountingProxy, FaultyFront
+
+pytestmark = pytest.mark.anyio
+
+#: What the scripted server does with one request: it gets the connection, writes the
+#: answer (or not) and returns.
+Script = Callable[[socket.socket], None]
+
+
+class ScriptedServer:
+    """A TCP server on 127.0.0.1 that answers every request with ``script`` (TLS with
+    ``tls`` when given); one thread per connection, no keep-alive."""
+
+    def __init__(self, script: Script, tls: ssl.SSLContext | None = None) -> None:
+        self.script = script
+        self._tls = tls
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._stopped = False
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self._tls else "http"
+        return f"{scheme}://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self._open.append(sock)
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = sock.recv(65536)
+                if not data:
+                    return
+                head += data
+            self.script(sock)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self._stopped = True
+        self._listener.close()
+        for sock in self._open:
+            sock.close()
+
+
+def answer_head(size: int) -> bytes:
+    return f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n".encode()
+
+
+@pytest.fixture
+def scripted() -> Iterator[Callable[..., ScriptedServer]]:
+    servers: list[ScriptedServer] = []
+
+    def factory(script: Script, tls: ssl.SSLContext | None = None) -> ScriptedServer:
+        servers.append(ScriptedServer(script, tls))
+        return servers[-1]
+
+    yield factory
+    for server in servers:
+        server.close()
+
+
+async def test_connections_are_kept_alive_and_reused(
+    make_store: StoreFactory, counting_proxy: CountingProxy
+) -> None:
+    writer = make_store()
+    store = make_store(s3_endpoint_url=counting_proxy.url)
+    objects = {f"{writer.prefix}/{n}.safetensors": bytes([n]) * (n * 300_000 + 1) for n in range(3)}
+    for key, data in objects.items():
+        await put_bytes(writer, key, data, crc32c=crc(data))
+    for key, data in objects.items():
+        assert await read_object(store, key) == data
+    assert counting_proxy.count("GET") == 3
+    assert counting_proxy.connections == 1
+
+
+async def test_a_body_closed_early_drops_its_connection(
+    make_store: StoreFactory, counting_proxy: CountingProxy
+) -> None:
+    writer = make_store()
+    store = make_store(s3_endpoint_url=counting_proxy.url)
+    key = f"{writer.prefix}/big.safetensors"
+    data = bytes(range(256)) * (3 * MiB // 256)
+    await put_bytes(writer, key, data, crc32c=crc(data))
+    download = await store.open(key)
+    assert download is not None
+    async with download:
+        first = await anext(download.chunks())
+    assert data.startswith(first) and len(first) < len(data)
+    # The rest of that body is not read into the next answer: a new connection serves it.
+    assert await read_object(store, key) == data
+    assert counting_proxy.connections == 2
+
+
+async def test_a_kept_alive_connection_closed_by_s3_is_replaced(
+    make_store: StoreFactory, counting_proxy: CountingProxy
+) -> None:
+    writer = make_store()
+    # One attempt: the replaced connection must not count as a failed one.
+    store = make_store(s3_endpoint_url=counting_proxy.url, s3_max_attempts=1)
+    key = f"{writer.prefix}/again.safetensors"
+    data = b"again" * 10_000
+    await put_bytes(writer, key, data, crc32c=crc(data))
+    assert await read_object(store, key) == data
+    counting_proxy.down = True  # cuts the kept-alive connection
+    counting_proxy.down = False
+    assert await read_object(store, key) == data
+    assert counting_proxy.connections == 2
+    assert store.available
+
+
+async def test_a_stalled_body_times_out_and_a_slow_one_does_not(
+    make_store: StoreFactory, scripted: Callable[..., ScriptedServer]
+) -> None:
+    size = 100_000
+
+    def stall(sock: socket.socket) -> None:
+        sock.sendall(answer_head(size) + b"x" * 1000)
+        time.sleep(3)
+
+    def trickle(sock: socket.socket) -> None:
+        sock.sendall(answer_head(size))
+        for _ in range(10):  # 2 s in all, never 0.5 s without a byte
+            time.sleep(0.2)
+            sock.sendall(b"y" * (size // 10))
+
+    server = scripted(stall)
+    store = make_store(s3_endpoint_url=server.url, s3_read_timeout=0.5, s3_max_attempts=1)
+    download = await store.open("stalled")
+    assert download is not None and download.info.size == size
+    started = time.monotonic()
+    with pytest.raises(S3Unavailable, match=r"sent nothing for 0\.5 s"):
+        async with download:
+            await download.read_all()
+    assert time.monotonic() - started < 2.5
+    assert not store.available
+
+    server.script = trickle
+    store = make_store(s3_endpoint_url=server.url, s3_read_timeout=0.5, s3_max_attempts=1)
+    assert await read_object(store, "trickled") == b"y" * size
+
+
+async def test_tls_is_verified_as_boto3_verifies_it(
+    make_store: StoreFactory, scripted: Callable[..., ScriptedServer]
+) -> None:
+    authority = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(server_tls)
+    data = b"over TLS" * 5000
+
+    def answer(sock: socket.socket) -> None:
+        sock.sendall(answer_head(len(data)) + data)
+
+    server = scripted(answer, tls=server_tls)
+    trusting = make_store(s3_endpoint_url=server.url, s3_verify_tls=False)
+    assert await read_object(trusting, "tls") == data
+    # Verified against the default CA bundle, which does not know this test's authority.
+    verifying = make_store(s3_endpoint_url=server.url, s3_max_attempts=1)
+    with pytest.raises(S3Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+        await read_object(verifying, "tls")
+
+
+async def test_behind_a_proxy_the_get_uses_botocores_transport(
+    make_store: StoreFactory, faulty_front: FaultyFront, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = make_store()
+    key = f"{writer.prefix}/proxied.safetensors"
+    data = b"proxied" * 10_000
+    await put_bytes(writer, key, data, crc32c=crc(data))
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", faulty_front.url)
+    store = make_store()
+    faulty_front.gets = 0
+    assert await read_object(store, key) == data
+    assert faulty_front.gets == 1  # the front saw the GET, as a proxy
