@@ -231,7 +231,7 @@ class BodyValidator:
         self.received = 0
         self.crc = 0
 
-    def feed(self, chunk: bytes | memoryview) -> None:
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         self.received += len(chunk)
         if self.received > self._max_bytes:
             raise BodyTooLarge(f"body exceeds the {self._max_bytes}-byte limit")

@@ -55,7 +55,7 @@ class EntryBody:
 
     info: EntryInfo
     buffer: memoryview | None = None
-    chunks: AsyncGenerator[bytes, None] | None = None
+    chunks: AsyncGenerator[bytes | bytearray, None] | None = None
 
     async def aclose(self) -> None:
         """Release a stream that will not be (fully) sent."""
@@ -83,7 +83,7 @@ class RemoteBody(Protocol):
     #: tell); the read-through answers from it before the first body byte arrives.
     header: TensorHeader | None
 
-    def chunks(self) -> AsyncIterator[bytes]: ...
+    def chunks(self) -> AsyncIterator[bytes | bytearray]: ...
 
     async def aclose(self) -> None: ...
 

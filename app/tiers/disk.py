@@ -178,7 +178,7 @@ class PendingWrite:
         fd, name = tempfile.mkstemp(dir=self.tier._tmp, prefix="put-", suffix=".part")
         self.fd, self.path = fd, Path(name)
 
-    def write(self, chunks: Sequence[bytes | memoryview]) -> None:
+    def write(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
         """Append ``chunks``. On a full file system, evict least recently used entries
         once per batch, and only when the rest of the body can fit once they are gone:
         a body that cannot fit is refused (507) with every entry left in place."""

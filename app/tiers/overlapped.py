@@ -45,7 +45,7 @@ class OverlappedWrite:
         #: The creation or batch being done in a writer thread.
         self._inflight: asyncio.Future[None] | None = None
         #: Handed over while another batch was being written: the next batch.
-        self._waiting: list[bytes | memoryview] = []
+        self._waiting: list[bytes | bytearray | memoryview] = []
         self._waiting_bytes = 0
         self._error: BaseException | None = None
         self._stopped = False
@@ -54,7 +54,7 @@ class OverlappedWrite:
         """Start creating the file; the first batch is written once it exists."""
         self._start(self.pending.create)
 
-    async def write(self, chunks: Sequence[bytes | memoryview]) -> None:
+    async def write(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
         """Hand ``chunks`` over to be written after everything handed over before; wait
         while more than ``behind`` bytes wait for the disk. Raises what a write or the
         creation raised (507 for a full disk)."""

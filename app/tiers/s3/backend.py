@@ -99,7 +99,7 @@ class S3Body:
         self.crc32c = download.info.crc32c
         self.header = header
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes | bytearray]:
         with http_errors():
             async for chunk in self._download.chunks():
                 yield chunk

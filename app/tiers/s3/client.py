@@ -124,7 +124,7 @@ def _info_from_response(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
 class ObjectBody(Protocol):
     """The body of an open GET, from either transport (``loop_get``, ``signed_get``)."""
 
-    async def read(self) -> bytes:
+    async def read(self) -> bytes | bytearray:
         """The next chunk; ``b""`` at the end. Raises the transport's exceptions."""
         ...
 
@@ -154,7 +154,7 @@ class S3Download:
     ) -> None:
         await self.aclose()
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes | bytearray]:
         """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
         :class:`S3Unavailable` when the connection breaks mid-body (the body is then
         incomplete and must not be used)."""
@@ -187,7 +187,7 @@ class S3Download:
             )
         metrics.requests.labels("get_body", "ok").inc()
 
-    def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> AsyncIterator[bytes | bytearray]:
         return self.chunks()
 
     async def read_all(self) -> bytes:

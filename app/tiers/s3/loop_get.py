@@ -3,9 +3,9 @@
 A read-through GET relays S3's body to its client as it arrives. Read through botocore's
 transport (``signed_get``), each GET crosses to a pool thread and back, spends about 1 ms
 of urllib3 and http.client Python, and every chunk wakes the loop from that thread. Here
-the request is written and the answer parsed on the event loop itself: httptools (llhttp,
-the parser uvicorn uses) splits the answer, and the body goes from S3's socket to the
-consumer with no thread in between.
+the request is written and the answer read on the event loop itself: httptools (llhttp,
+the parser uvicorn uses) parses its head, and the body is received straight into the
+chunks the consumer gets, with no thread and no copy in between.
 
 What it keeps of the boto3 client: the SigV4 signature (``signed_get.sign``), the
 endpoint, the TLS verification and CA bundle of its transport, the connect and read
@@ -43,20 +43,27 @@ from app.tiers.s3.signed_get import (
     sign,
 )
 
+#: The buffer an answer's head is received into (and parsed from).
+HEAD_BUFFER_BYTES = 64 * 1024
 
-class _Connection(asyncio.Protocol):
+
+class _Connection(asyncio.BufferedProtocol):
     """One HTTP/1.1 connection to S3, one exchange at a time.
 
-    The body is kept as the pieces received; :meth:`read` hands ``want`` bytes of them
-    over joined once they are there (or the rest, once the answer is complete), so the
-    consumer wakes once per chunk, not once per socket read. Reading pauses at
-    ``READ_AHEAD`` chunks ahead.
+    httptools parses each answer's head. The body of a 200 answer with a Content-Length
+    (every S3 GET) then bypasses the parser: the socket is read straight into the
+    chunk being filled, one copy from the kernel into the bytes the consumer gets
+    (botocore's transport makes two). Other bodies (error documents) go through the
+    parser into the same chunks. Chunks are ``want`` bytes, growing x8 up to ``most``;
+    reading pauses while ``READ_AHEAD`` full chunks wait for the consumer.
     """
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
+        self._head_buffer = memoryview(bytearray(HEAD_BUFFER_BYTES))
+        self._into_chunk = False  # what get_buffer handed out
         self._waiter: asyncio.Future[None] | None = None
         self._last_activity = self._loop.time()
         self.closed = False
@@ -70,8 +77,10 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self._keep_alive = False
         self.error: BaseException | None = None
-        self._parts: deque[bytes] = deque()
-        self._buffered = 0
+        self._body_left = -1  # bytes of a bypassing body still to come; -1: parsed
+        self._chunk: bytearray | None = None
+        self._filled = 0
+        self._ready: deque[bytearray] = deque()
         self._want = want
         self._most = most
         self._paused = False
@@ -97,19 +106,34 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
         self.closed = True
 
-    # -- asyncio.Protocol -------------------------------------------------------------
+    # -- asyncio.BufferedProtocol -----------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        self._into_chunk = self._body_left > 0
+        if not self._into_chunk:
+            return self._head_buffer
+        if self._chunk is None:
+            self._new_chunk()
+        assert self._chunk is not None
+        return memoryview(self._chunk)[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
         self.answered = True
         self._last_activity = self._loop.time()
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(ConnectionError(f"S3 sent a malformed HTTP answer: {exc}"))
+        if self._into_chunk:
+            self._filled_by(nbytes)
+        elif self.complete or self._body_left == 0:
+            self._fail(ConnectionError("S3 sent more than its answer"))
             self.close()
+        else:
+            try:
+                self._parser.feed_data(self._head_buffer[:nbytes])
+            except (httptools.HttpParserError, ValueError) as exc:
+                self._fail(ConnectionError(f"S3 sent a malformed HTTP answer: {exc}"))
+                self.close()
 
     def eof_received(self) -> bool:
         self.closed = True  # not to be reused; connection_lost follows
@@ -129,40 +153,68 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        # Asked now: once the message is complete the parser has forgotten it.
+        self._keep_alive = self._parser.should_keep_alive()
         self.headers_done = True
+        length = self.headers.get("content-length")
+        if self.status == 200 and length is not None and "transfer-encoding" not in self.headers:
+            self._body_left = int(length)  # ValueError: malformed (buffer_updated)
+            if self._body_left == 0:
+                self.complete = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        self._parts.append(body)
-        self._buffered += len(body)
-        if self._buffered >= self._want:
-            self._wake()
-            if self._buffered >= READ_AHEAD * self._want and not self._paused:
-                assert self._transport is not None
-                self._transport.pause_reading()
-                self._paused = True
+        """Body bytes the parser saw: an error document, or the start of a bypassing
+        body that came with the head."""
+        view = memoryview(body)
+        while view:
+            if self._chunk is None:
+                self._new_chunk()
+            assert self._chunk is not None
+            piece = view[: len(self._chunk) - self._filled]
+            self._chunk[self._filled : self._filled + len(piece)] = piece
+            view = view[len(piece) :]
+            self._filled_by(len(piece))
 
     def on_message_complete(self) -> None:
-        # Asked now: once the message is complete the parser has forgotten it.
-        self._keep_alive = self._parser.should_keep_alive()
-        self.complete = True
-        self._wake()
+        if self._body_left < 0:
+            self._push()
+            self.complete = True
+            self._wake()
 
-    def _take(self, size: int) -> bytes:
-        """Up to ``size`` bytes of the body received (only a piece cut in two is
-        copied before the join)."""
-        taken: list[bytes] = []
-        count = 0
-        while self._parts and count < size:
-            piece = self._parts.popleft()
-            if count + len(piece) > size:
-                cut = size - count
-                self._parts.appendleft(piece[cut:])
-                piece = piece[:cut]
-            taken.append(piece)
-            count += len(piece)
-        self._buffered -= count
-        return taken[0] if len(taken) == 1 else b"".join(taken)
+    # -- chunks -----------------------------------------------------------------------
+
+    def _new_chunk(self) -> None:
+        size = self._want if self._body_left < 0 else min(self._want, self._body_left)
+        self._chunk = bytearray(size)
+        self._filled = 0
+        self._want = min(self._want * 8, self._most)
+
+    def _filled_by(self, count: int) -> None:
+        assert self._chunk is not None
+        self._filled += count
+        if self._body_left > 0:
+            self._body_left -= count
+            if self._body_left == 0:
+                self.complete = True
+        if self._filled == len(self._chunk):
+            self._push()
+        if self.complete:
+            self._wake()
+
+    def _push(self) -> None:
+        """Hand the chunk being filled to the consumer (cut to what arrived)."""
+        chunk, self._chunk = self._chunk, None
+        if chunk is None or not self._filled:
+            return
+        if self._filled < len(chunk):
+            del chunk[self._filled :]
+        self._ready.append(chunk)
+        self._wake()
+        if len(self._ready) >= READ_AHEAD and not self._paused:
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._paused = True
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -196,18 +248,17 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             await self._wait(timeout)
 
-    async def read(self, timeout: float) -> bytes:
+    async def read(self, timeout: float) -> bytes | bytearray:
         """The next chunk of the body; ``b""`` at its end."""
-        while self._buffered < self._want and not self.complete and self.error is None:
+        while not self._ready and not self.complete and self.error is None:
             await self._wait(timeout)
-        if self._parts:
-            data = self._take(self._want)
-            self._want = min(self._want * 8, self._most)
-            if self._paused:
+        if self._ready:
+            chunk = self._ready.popleft()
+            if self._paused and len(self._ready) < READ_AHEAD:
                 assert self._transport is not None
                 self._transport.resume_reading()
                 self._paused = False
-            return data
+            return chunk
         if self.complete:
             return b""
         assert self.error is not None
@@ -222,7 +273,7 @@ class LoopBody:
         self._get = get
         self._connection: _Connection | None = connection
 
-    async def read(self) -> bytes:
+    async def read(self) -> bytes | bytearray:
         """The next chunk; ``b""`` at the end of the body."""
         if self._connection is None:
             return b""
@@ -265,7 +316,7 @@ class LoopGet:
         self._address = (parts.hostname or "", parts.port or (443 if https else 80))
         self._host = _host_from_url(self._endpoint)
         # botocore's transport has no public accessor; its ``_verify`` is what the client
-        # resolved from ``verify=`` and the AWS_CA_BUNDLE / config chain.
+        # made of ``verify=`` (EC_S3_VERIFY_TLS).
         self._ssl = _tls_context(client._endpoint.http_session._verify) if https else None
         self._idle: list[_Connection] = []
 
@@ -286,7 +337,7 @@ class LoopGet:
 
     async def _open_once(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
         url = object_url(self._endpoint, self._bucket, key)
-        lines = [f"GET {url[len(self._endpoint) :]} HTTP/1.1", f"Host: {self._host}"]
+        lines = [f"GET {urlsplit(url).path} HTTP/1.1", f"Host: {self._host}"]
         lines += [
             f"{name}: {value}" for name, value in sign(self._credentials, self._region, url).items()
         ]
@@ -311,7 +362,7 @@ class LoopGet:
                 await connection.wait_headers(self.read_timeout)
             if connection.status == 200:
                 return connection.headers, LoopBody(self, connection)
-            document = b""
+            document = bytearray()
             while len(document) < ERROR_BODY_BYTES:
                 chunk = await connection.read(self.read_timeout)
                 if not chunk:
@@ -321,7 +372,7 @@ class LoopGet:
             connection.close()
             raise
         self.release(connection)
-        raise client_error(connection.status, connection.headers, document)
+        raise client_error(connection.status, connection.headers, bytes(document))
 
     def _take_idle(self) -> _Connection | None:
         while self._idle:
