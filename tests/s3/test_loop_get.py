@@ -6,6 +6,7 @@ network's."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 import threading
@@ -208,3 +209,57 @@ async def test_behind_a_proxy_the_get_uses_botocores_transport(
     faulty_front.gets = 0
     assert await read_object(store, key) == data
     assert faulty_front.gets == 1  # the front saw the GET, as a proxy
+
+
+async def test_what_a_server_gets_wrong_about_the_framing(
+    make_store: StoreFactory, scripted: Callable[..., ScriptedServer]
+) -> None:
+    data = bytes(range(256)) * 400
+
+    def cut_short(sock: socket.socket) -> None:
+        sock.sendall(answer_head(len(data)) + data[: len(data) // 2])
+
+    def too_long(sock: socket.socket) -> None:
+        sock.sendall(answer_head(len(data)) + data + b"trailing garbage")
+
+    def missing_chunked(sock: socket.socket) -> None:
+        document = (
+            b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code><Message>gone</Message></Error>"
+        )
+        sock.sendall(
+            b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + f"{len(document):x}\r\n".encode()
+            + document
+            + b"\r\n0\r\n\r\n"
+        )
+
+    server = scripted(cut_short)
+    store = make_store(s3_endpoint_url=server.url, s3_max_attempts=1)
+    with pytest.raises(S3Unavailable, match="closed the connection mid-answer"):
+        await read_object(store, "cut")
+
+    server.script = too_long  # the body is Content-Length bytes; the rest is not used
+    store = make_store(s3_endpoint_url=server.url, s3_max_attempts=1)
+    assert await read_object(store, "long") == data
+
+    server.script = missing_chunked  # an error document in chunked encoding
+    store = make_store(s3_endpoint_url=server.url, s3_max_attempts=1)
+    assert await read_object(store, "missing") is None
+    assert store.available
+
+
+async def test_a_slow_consumer_is_not_a_silent_s3(make_store: StoreFactory) -> None:
+    """Reading pauses while the consumer lags; that pause is not S3's silence."""
+    store = make_store(s3_read_timeout=0.5, s3_get_chunk_size=64 * 1024, s3_max_attempts=1)
+    key = f"{store.prefix}/slowly.safetensors"
+    data = bytes(range(256)) * 4096
+    await put_bytes(store, key, data, crc32c=crc(data))
+    download = await store.open(key)
+    assert download is not None
+    received = bytearray()
+    async with download:
+        async for chunk in download.chunks():
+            if not received:
+                await asyncio.sleep(0.8)  # S3 fills the read-ahead, then waits for us
+            received += chunk
+    assert received == data

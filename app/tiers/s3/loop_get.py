@@ -258,6 +258,8 @@ class _Connection(asyncio.BufferedProtocol):
                 assert self._transport is not None
                 self._transport.resume_reading()
                 self._paused = False
+                # The read timeout counts S3's silence, not the time it was paused.
+                self._last_activity = self._loop.time()
             return chunk
         if self.complete:
             return b""
