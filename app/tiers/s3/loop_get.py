@@ -293,7 +293,8 @@ class LoopBody:
 class LoopGet:
     """GETs of objects in ``bucket`` at the boto3 ``client``'s endpoint, signed with
     ``credentials`` (None: none found; each GET then fails the way boto3 would), bodies
-    handed over in chunks of up to ``chunk_size`` bytes."""
+    handed over in chunks of up to ``chunk_size`` bytes. Its kept-alive connections
+    belong to the event loop that opened them: use it from one loop (the server's)."""
 
     def __init__(
         self,
