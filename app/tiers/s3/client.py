@@ -40,7 +40,7 @@ from app.metrics import S3Metrics
 from app.settings import Settings
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
 from app.tiers.s3.loop_get import LoopGet
-from app.tiers.s3.signed_get import SignedGet
+from app.tiers.s3.signed_get import GetSigner, SignedGet
 
 log = logging.getLogger(__name__)
 
@@ -295,15 +295,14 @@ class S3Client:
         )
         #: The read path's GET (``open``): on the event loop, or on boto3's transport
         #: where a proxy stands between us and the endpoint.
-        credentials = session.get_credentials()
+        signer = GetSigner(self.client, self.bucket, session.get_credentials())
         self._get: LoopGet | SignedGet
         if self.client._endpoint.http_session._proxy_config.proxy_url_for(
             self.client.meta.endpoint_url
         ):
             self._get = SignedGet(
                 self.client,
-                self.bucket,
-                credentials,
+                signer,
                 settings.s3_max_attempts,
                 self.executor,
                 settings.s3_get_chunk_size,
@@ -311,8 +310,7 @@ class S3Client:
         else:
             self._get = LoopGet(
                 self.client,
-                self.bucket,
-                credentials,
+                signer,
                 settings.s3_max_attempts,
                 settings.s3_get_chunk_size,
             )

@@ -7,7 +7,7 @@ the request is written and the answer read on the event loop itself: httptools (
 the parser uvicorn uses) parses its head, and the body is received straight into the
 chunks the consumer gets, with no thread and no copy in between.
 
-What it keeps of the boto3 client: the SigV4 signature (``signed_get.sign``), the
+What it keeps of the boto3 client: the SigV4 signature (``signed_get.GetSigner``), the
 endpoint, the TLS verification and CA bundle of its transport, the connect and read
 timeouts, and ``EC_S3_MAX_POOL_CONNECTIONS`` as the number of idle connections kept
 alive for reuse. An endpoint reached through a proxy is read with ``signed_get`` instead
@@ -30,7 +30,6 @@ from urllib.parse import urlsplit
 
 import httptools
 from botocore.auth import _host_from_url
-from botocore.credentials import Credentials
 from botocore.httpsession import get_cert_path
 
 from app.tiers.s3.errors import retry_delay
@@ -38,9 +37,8 @@ from app.tiers.s3.signed_get import (
     ERROR_BODY_BYTES,
     FIRST_READ_BYTES,
     READ_AHEAD,
+    GetSigner,
     client_error,
-    object_url,
-    sign,
 )
 
 #: The buffer an answer's head is received into (and parsed from).
@@ -291,23 +289,19 @@ class LoopBody:
 
 
 class LoopGet:
-    """GETs of objects in ``bucket`` at the boto3 ``client``'s endpoint, signed with
-    ``credentials`` (None: none found; each GET then fails the way boto3 would), bodies
-    handed over in chunks of up to ``chunk_size`` bytes. Its kept-alive connections
+    """GETs signed by ``signer``, sent with the boto3 ``client``'s transport settings,
+    bodies handed over in chunks of up to ``chunk_size`` bytes. Its kept-alive connections
     belong to the event loop that opened them: use it from one loop (the server's)."""
 
     def __init__(
         self,
         client: Any,
-        bucket: str,
-        credentials: Credentials | None,
+        signer: GetSigner,
         max_attempts: int,
         chunk_size: int,
     ) -> None:
-        self._endpoint: str = client.meta.endpoint_url.rstrip("/")
-        self._region: str = client.meta.region_name
-        self._bucket = bucket
-        self._credentials = credentials
+        self._signer = signer
+        self._endpoint = signer.endpoint
         self._max_attempts = max_attempts
         self._chunk_size = chunk_size
         config = client.meta.config
@@ -339,11 +333,9 @@ class LoopGet:
                 await asyncio.sleep(delay)
 
     async def _open_once(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
-        url = object_url(self._endpoint, self._bucket, key)
-        lines = [f"GET {urlsplit(url).path} HTTP/1.1", f"Host: {self._host}"]
-        lines += [
-            f"{name}: {value}" for name, value in sign(self._credentials, self._region, url).items()
-        ]
+        signed = self._signer.request(key)
+        lines = [f"GET {urlsplit(signed.url).path} HTTP/1.1", f"Host: {self._host}"]
+        lines += [f"{name}: {value}" for name, value in signed.headers.items()]
         request = ("\r\n".join(lines) + "\r\nUser-Agent: ec-cache\r\n\r\n").encode("latin-1")
         want = min(FIRST_READ_BYTES, self._chunk_size)
         connection = self._take_idle()

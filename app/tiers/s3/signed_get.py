@@ -9,7 +9,7 @@ response parsing), as much as the whole request costs S3 for a small object. Thi
 keeps what matters from botocore and drops the rest:
 
 * signing: botocore's ``S3SigV4Auth`` with the session's credentials, frozen per
-  request (refreshable credentials refresh themselves, as in boto3) — :func:`sign`,
+  request (refreshable credentials refresh themselves, as in boto3) — :class:`GetSigner`,
   shared with ``loop_get``;
 * transport: the boto3 client's own ``URLLib3Session`` (TLS verification and CA
   bundle, proxies, timeouts, pool size, keep-alive as configured), so both share one
@@ -55,19 +55,28 @@ FIRST_READ_BYTES = 64 * 1024
 READ_AHEAD = 2
 
 
-def object_url(endpoint: str, bucket: str, key: str) -> str:
-    """The path-style URL of ``key`` (``endpoint`` without a trailing slash)."""
-    return f"{endpoint}/{bucket}/{quote(key, safe='/~')}"
+class GetSigner:
+    """Signed path-style GETs of objects in ``bucket`` at the boto3 ``client``'s endpoint
+    and region, with ``credentials`` (None: none found; each GET then fails the way
+    boto3 would). Shared by both transports."""
 
+    def __init__(self, client: Any, bucket: str, credentials: Credentials | None) -> None:
+        self.endpoint: str = client.meta.endpoint_url.rstrip("/")
+        self._region: str = client.meta.region_name
+        self._bucket = bucket
+        self._credentials = credentials
 
-def sign(credentials: Credentials | None, region: str, url: str) -> dict[str, str]:
-    """The headers of a SigV4-signed GET of ``url`` (the Host header excepted: the
-    transport sends it, and the signature covers botocore's form of it)."""
-    if credentials is None:
-        raise bce.NoCredentialsError()
-    request = AWSRequest(method="GET", url=url, headers={"x-amz-checksum-mode": "ENABLED"})
-    S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
-    return dict(request.headers.items())
+    def request(self, key: str) -> AWSRequest:
+        """The SigV4-signed GET of ``key``. Its headers lack Host: the transport sends
+        it, and the signature covers botocore's form of it."""
+        if self._credentials is None:
+            raise bce.NoCredentialsError()
+        url = f"{self.endpoint}/{self._bucket}/{quote(key, safe='/~')}"
+        request = AWSRequest(method="GET", url=url, headers={"x-amz-checksum-mode": "ENABLED"})
+        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(
+            request
+        )
+        return request
 
 
 def client_error(status: int, headers: Mapping[str, str], document: bytes) -> bce.ClientError:
@@ -90,27 +99,21 @@ def client_error(status: int, headers: Mapping[str, str], document: bytes) -> bc
 
 
 class SignedGet:
-    """GETs of objects in ``bucket`` through the boto3 ``client``'s endpoint, region and
-    connection pool, signed with ``credentials`` (None: none found; each GET then fails
-    the way boto3 would), their bodies read on ``executor`` in chunks of up to
-    ``chunk_size`` bytes."""
+    """GETs signed by ``signer``, sent on the boto3 ``client``'s connection pool, their
+    bodies read on ``executor`` in chunks of up to ``chunk_size`` bytes."""
 
     def __init__(
         self,
         client: Any,
-        bucket: str,
-        credentials: Credentials | None,
+        signer: GetSigner,
         max_attempts: int,
         executor: Executor,
         chunk_size: int,
     ) -> None:
-        self._endpoint = client.meta.endpoint_url.rstrip("/")
-        self._region: str = client.meta.region_name
         # botocore keeps its HTTP session on the client's endpoint; there is no public
         # accessor. Using it keeps one pool and one set of transport settings.
         self._http = client._endpoint.http_session
-        self._bucket = bucket
-        self._credentials = credentials
+        self._signer = signer
         self._max_attempts = max_attempts
         self._executor = executor
         self._chunk_size = chunk_size
@@ -145,11 +148,7 @@ class SignedGet:
             raise
 
     def _get_once(self, key: str) -> tuple[Mapping[str, str], Any]:
-        url = object_url(self._endpoint, self._bucket, key)
-        request = AWSRequest(
-            method="GET", url=url, headers=sign(self._credentials, self._region, url)
-        )
-        prepared = request.prepare()
+        prepared = self._signer.request(key).prepare()
         prepared.stream_output = True
         response = self._http.send(prepared)
         raw = response.raw
