@@ -21,6 +21,10 @@ from app import checksum
 from app.keys import EntryKey
 from app.safetensors_format import TensorHeader
 
+#: A piece of a streamed body, in whatever buffer its source filled: sent to the client,
+#: checked and written to disk as it is, never copied into another type.
+Chunk = bytes | bytearray | memoryview
+
 
 @dataclass(frozen=True)
 class EntryInfo:
@@ -55,7 +59,7 @@ class EntryBody:
 
     info: EntryInfo
     buffer: memoryview | None = None
-    chunks: AsyncGenerator[bytes | bytearray, None] | None = None
+    chunks: AsyncGenerator[Chunk, None] | None = None
 
     async def aclose(self) -> None:
         """Release a stream that will not be (fully) sent."""
@@ -83,7 +87,7 @@ class RemoteBody(Protocol):
     #: tell); the read-through answers from it before the first body byte arrives.
     header: TensorHeader | None
 
-    def chunks(self) -> AsyncIterator[bytes | bytearray]: ...
+    def chunks(self) -> AsyncIterator[Chunk]: ...
 
     async def aclose(self) -> None: ...
 

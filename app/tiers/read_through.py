@@ -58,7 +58,7 @@ from app.errors import (
 from app.keys import EntryKey
 from app.metrics import ReadThroughMetrics
 from app.safetensors_format import BodyValidator, TensorHeader
-from app.tiers.base import Backend, EntryBody, EntryInfo
+from app.tiers.base import Backend, Chunk, EntryBody, EntryInfo
 from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.overlapped import OverlappedWrite
 
@@ -89,7 +89,7 @@ class Fill:
         self._written = 0
         #: The chunks received last, ``(offset, chunk)``, up to ``RECENT_BYTES``: readers
         #: that keep up are sent these from memory (no read back from the temp file).
-        self._recent: collections.deque[tuple[int, bytes | bytearray]] = collections.deque()
+        self._recent: collections.deque[tuple[int, Chunk]] = collections.deque()
         self._recent_bytes = 0
         self._changed = asyncio.Event()
         # Read side of the temp file, shared by the readers (pread: no shared offset). It
@@ -238,7 +238,7 @@ class Fill:
             self._written = pending.written
             self._notify()
 
-    def _remember(self, chunk: bytes | bytearray) -> None:
+    def _remember(self, chunk: Chunk) -> None:
         self._recent.append((self._received, chunk))
         self._recent_bytes += len(chunk)
         self._received += len(chunk)
@@ -247,7 +247,7 @@ class Fill:
         ):
             self._recent_bytes -= len(self._recent.popleft()[1])
 
-    def _from_memory(self, offset: int) -> bytes | bytearray | None:
+    def _from_memory(self, offset: int) -> Chunk | None:
         """The received bytes from ``offset`` to the end of their chunk, if still held."""
         for start, chunk in self._recent:
             if start <= offset < start + len(chunk):
@@ -274,7 +274,7 @@ class Fill:
         self._readers -= 1
         self._maybe_close()
 
-    async def stream(self, chunk_size: int) -> AsyncGenerator[bytes | bytearray, None]:
+    async def stream(self, chunk_size: int) -> AsyncGenerator[Chunk, None]:
         """The body as it lands on disk. Call after ``ready`` gave an entry; ``detach``
         happens when the iterator ends or is closed."""
         try:

@@ -1,8 +1,8 @@
 """The read path's GET on the event loop (``app/tiers/s3/loop_get.py``): kept-alive
-connections, bodies closed early, connections S3 closed, read timeouts, TLS, and the
-switch to botocore's transport (``signed_get``) behind a proxy. Against the real S3
-endpoint where the behaviour is S3's, against a scripted server where it is the
-network's."""
+connections, bodies closed early, connections S3 closed, read timeouts, TLS, bodies relayed
+as they arrive, and the switch to botocore's transport (``signed_get``) behind a proxy.
+Against the real S3 endpoint where the behaviour is S3's, against a scripted server
+where it is the network's."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import trustme
 
 from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Unavailable
+from app.tiers.s3.loop_get import PIECE_BYTES
 from app.tiers.s3.transfers import put_bytes
 from tests.s3.conftest import MiB, StoreFactory, read_object
 from tests.s3.harness import CountingProxy, FaultyFront
@@ -261,5 +262,35 @@ async def test_a_slow_consumer_is_not_a_silent_s3(make_store: StoreFactory) -> N
         async for chunk in download.chunks():
             if not received:
                 await asyncio.sleep(0.8)  # S3 fills the read-ahead, then waits for us
+            received += chunk
+    assert received == data
+
+
+async def test_a_body_is_relayed_as_it_arrives_not_a_chunk_later(
+    make_store: StoreFactory, scripted: Callable[..., ScriptedServer]
+) -> None:
+    """What arrived of a large chunk reaches the consumer while S3 is still sending it
+    (all but less than ``PIECE_BYTES``, which waits for more)."""
+    data = bytes(range(256)) * (3 * MiB // 256)
+    sent_first = 2 * MiB  # the 64 KiB first chunk and most of the next, a 4 MiB one
+    release = threading.Event()
+
+    def pausing(sock: socket.socket) -> None:
+        sock.sendall(answer_head(len(data)) + data[:sent_first])
+        release.wait(10)
+        sock.sendall(data[sent_first:])
+
+    server = scripted(pausing)
+    store = make_store(s3_endpoint_url=server.url, s3_get_chunk_size=4 * MiB, s3_max_attempts=1)
+    download = await store.open("relayed")
+    assert download is not None
+    received = bytearray()
+    async with download:
+        chunks = download.chunks()
+        while len(received) <= sent_first - PIECE_BYTES:
+            received += await asyncio.wait_for(anext(chunks), 5)
+        assert received == data[: len(received)]  # while S3 still holds back the rest
+        release.set()
+        async for chunk in chunks:
             received += chunk
     assert received == data

@@ -29,7 +29,7 @@ from app.errors import BackendError, ECError, InvalidBackendObject, Unavailable
 from app.keys import EntryKey
 from app.safetensors_format import MAX_HEADER_BYTES, PREFIX_BYTES, BodyValidator, TensorHeader
 from app.settings import Settings
-from app.tiers.base import RemoteInfo
+from app.tiers.base import Chunk, RemoteInfo
 from app.tiers.s3 import readiness, transfers
 from app.tiers.s3.client import ObjectInfo, S3Client, S3Download
 from app.tiers.s3.errors import S3Error, S3Unavailable
@@ -99,7 +99,7 @@ class S3Body:
         self.crc32c = download.info.crc32c
         self.header = header
 
-    async def chunks(self) -> AsyncIterator[bytes | bytearray]:
+    async def chunks(self) -> AsyncIterator[Chunk]:
         with http_errors():
             async for chunk in self._download.chunks():
                 yield chunk

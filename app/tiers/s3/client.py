@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from app import wire
 from app.metrics import S3Metrics
 from app.settings import Settings
+from app.tiers.base import Chunk
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
 from app.tiers.s3.loop_get import LoopGet
 from app.tiers.s3.signed_get import GetSigner, SignedGet
@@ -124,7 +125,7 @@ def _info_from_response(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
 class ObjectBody(Protocol):
     """The body of an open GET, from either transport (``loop_get``, ``signed_get``)."""
 
-    async def read(self) -> bytes | bytearray:
+    async def read(self) -> Chunk:
         """The next chunk; ``b""`` at the end. Raises the transport's exceptions."""
         ...
 
@@ -154,7 +155,7 @@ class S3Download:
     ) -> None:
         await self.aclose()
 
-    async def chunks(self) -> AsyncIterator[bytes | bytearray]:
+    async def chunks(self) -> AsyncIterator[Chunk]:
         """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
         :class:`S3Unavailable` when the connection breaks mid-body (the body is then
         incomplete and must not be used)."""
@@ -187,7 +188,7 @@ class S3Download:
             )
         metrics.requests.labels("get_body", "ok").inc()
 
-    def __aiter__(self) -> AsyncIterator[bytes | bytearray]:
+    def __aiter__(self) -> AsyncIterator[Chunk]:
         return self.chunks()
 
     async def read_all(self) -> bytes:
