@@ -41,7 +41,7 @@ import logging
 import os
 from collections.abc import AsyncGenerator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
@@ -63,6 +63,8 @@ from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.overlapped import OverlappedWrite
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Received bytes a fill keeps in memory for its readers (besides the chunk in hand).
 RECENT_BYTES = 8 * 1024 * 1024
@@ -116,6 +118,14 @@ class Fill:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    async def until(self, future: asyncio.Future[T]) -> T:
+        """``future``'s outcome (one of this fill's), for a reader. Woken by the fill's
+        notice, which comes with every outcome: one loop iteration sooner than
+        ``asyncio.shield``, and a reader that is cancelled leaves ``future`` alone."""
+        while not future.done():
+            await self._changed.wait()
+        return future.result()
+
     def _fail(self, exc: BaseException) -> None:
         for future in (self.ready, self.verified, self.finished):
             if not future.done():
@@ -140,6 +150,7 @@ class Fill:
                 fills.labels("not_found").inc()
                 self.ready.set_result(None)
                 self.finished.set_result(False)
+                self._notify()
                 return
             async with remote:
                 self.size = remote.size
@@ -159,6 +170,7 @@ class Fill:
                     # Stored metadata describes the entry: answer now, one round trip
                     # sooner; the body's own header must then say the same (below).
                     self.ready.set_result(EntryInfo(remote.size, remote.crc32c, described, tier))
+                    self._notify()
                 # The disk may fall behind by as much as readers are served from
                 # memory: they get the body at the backend's pace, not the disk's.
                 file = OverlappedWrite(
@@ -167,7 +179,6 @@ class Fill:
                     behind=RECENT_BYTES,
                     on_written=lambda: self._on_disk(pending),
                 )
-                file.create()
                 async for chunk in remote.chunks():
                     validator.feed(chunk)
                     if validator.header is not None and not self.ready.done():
@@ -184,6 +195,11 @@ class Fill:
                     # file serves those who fell behind.
                     self._remember(chunk)
                     self._notify()
+                    if not file.created:
+                        # Readers send the first bytes before the disk's work competes
+                        # with them for the CPU.
+                        await asyncio.sleep(0)
+                        file.create()
                     await file.write((chunk,))
                 header = validator.finish()  # length and CRC32C
                 self.verified.set_result(None)
@@ -289,7 +305,7 @@ class Fill:
                 if data is not None:
                     if offset + len(data) == size:
                         # Release the last bytes only once the whole body is verified.
-                        await asyncio.shield(self.verified)
+                        await self.until(self.verified)
                     offset += len(data)
                     yield data
                     continue
@@ -300,7 +316,7 @@ class Fill:
                     raise failure
                 end = min(self._written, offset + chunk_size)
                 if end == size:
-                    await asyncio.shield(self.verified)
+                    await self.until(self.verified)
                 reader = self._reader_file
                 assert reader is not None
                 data = await anyio.to_thread.run_sync(
@@ -351,8 +367,8 @@ class ReadThrough:
         either sees a fill that committed meanwhile on disk or joins the one in flight."""
         fill = self.fill(key)
         try:
-            # Shielded: a client that leaves does not cancel the fill others share.
-            info = await asyncio.shield(fill.ready)
+            # Not fill.ready itself: a client that leaves must not cancel it.
+            info = await fill.until(fill.ready)
         except BaseException:
             fill.detach()
             raise

@@ -85,7 +85,8 @@ async def test_get_streams_in_chunks(make_store: StoreFactory) -> None:
         sizes = [len(chunk) async for chunk in download.chunks()]
     assert sum(sizes) == len(data)
     assert len(sizes) >= 4 and max(sizes) <= 256 * 1024
-    assert sizes[0] == FIRST_READ_BYTES  # small, so a header is known after one round trip
+    # Small, and handed over as it arrives: a header is known after one round trip.
+    assert 0 < sizes[0] <= FIRST_READ_BYTES
 
 
 async def test_object_within_the_first_read(make_store: StoreFactory) -> None:

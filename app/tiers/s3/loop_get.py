@@ -60,10 +60,11 @@ class _Connection(asyncio.BufferedProtocol):
     parser into the same chunks. Chunks are ``want`` bytes, growing x8 up to ``most``;
     reading pauses while ``READ_AHEAD`` full chunks wait for the consumer.
 
-    The consumer does not wait for a chunk to fill: once ``PIECE_BYTES`` of it have
-    arrived it gets them (a view, no copy), so S3's body is relayed as it arrives
-    rather than one chunk later, the way nginx relays an upstream's. A consumer that
-    fell behind takes everything that arrived meanwhile at once.
+    The consumer does not wait for a chunk to fill: it gets the first bytes of the body
+    as soon as they arrive (a client waits for them), and later ones once
+    ``PIECE_BYTES`` of a chunk arrived (a view, no copy), so S3's body is relayed as it
+    arrives rather than one chunk later, the way nginx relays an upstream's. A consumer
+    that fell behind takes everything that arrived meanwhile at once.
     """
 
     def __init__(self) -> None:
@@ -89,6 +90,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._chunk: bytearray | None = None
         self._filled = 0
         self._handed = 0  # bytes of the chunk handed over before it was full
+        self._least_piece = 1  # until the first bytes are handed over; then PIECE_BYTES
         self._ready: deque[bytearray | memoryview] = deque()
         self._want = want
         self._most = most
@@ -208,7 +210,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self.complete = True
         if self._filled == len(self._chunk):
             self._push()
-        elif self.complete or self._filled - self._handed >= PIECE_BYTES:
+        elif self.complete or self._filled - self._handed >= self._least_piece:
             self._wake()
 
     def _push(self) -> None:
@@ -219,6 +221,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         whole = self._handed == 0 and self._filled == len(chunk)
         self._ready.append(chunk if whole else memoryview(chunk)[self._handed : self._filled])
+        self._least_piece = PIECE_BYTES
         self._wake()
         if len(self._ready) >= READ_AHEAD and not self._paused:
             assert self._transport is not None
@@ -258,11 +261,13 @@ class _Connection(asyncio.BufferedProtocol):
             await self._wait(timeout)
 
     def _piece(self) -> memoryview | None:
-        """At least ``PIECE_BYTES`` arrived of the chunk being filled, if so."""
-        if self._chunk is None or self._filled - self._handed < PIECE_BYTES:
+        """What arrived of the chunk being filled and was not handed over yet, if that
+        is enough to hand over (see the class docstring)."""
+        if self._chunk is None or self._filled - self._handed < self._least_piece:
             return None
         piece = memoryview(self._chunk)[self._handed : self._filled]
         self._handed = self._filled
+        self._least_piece = PIECE_BYTES
         return piece
 
     async def read(self, timeout: float) -> Chunk:
