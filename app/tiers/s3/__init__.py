@@ -3,8 +3,8 @@
 * ``errors``: :class:`S3Error` / :class:`S3Unavailable` and the mapping of botocore failures;
 * ``client``: the S3 client of one bucket: thread pool, metrics, circuit breaker,
   streaming download (object keys only);
-* ``loop_get``: the read path's GET, signed with botocore's signer and read on the event
-  loop;
+* ``sigv4``: the read path's GET signed (SigV4, what botocore signs, by hand);
+* ``loop_get``: the read path's GET, read on the event loop;
 * ``signed_get``: the same GET on boto3's transport, for an endpoint behind a proxy;
 * ``transfers``: single and multipart uploads with CRC32C checks;
 * ``readiness``: bucket creation and the operator's diagnosis for ``/readyz``;

@@ -41,7 +41,8 @@ from app.settings import Settings
 from app.tiers.base import Chunk
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
 from app.tiers.s3.loop_get import LoopGet
-from app.tiers.s3.signed_get import GetSigner, SignedGet
+from app.tiers.s3.signed_get import SignedGet
+from app.tiers.s3.sigv4 import GetSigner
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ the request is written and the answer read on the event loop itself: httptools (
 the parser uvicorn uses) parses its head, and the body is received straight into the
 chunks the consumer gets, with no thread and no copy in between.
 
-What it keeps of the boto3 client: the SigV4 signature (``signed_get.GetSigner``), the
+What it keeps of the boto3 client: the SigV4 signature (``sigv4.GetSigner``), the
 endpoint, the TLS verification and CA bundle of its transport, the connect and read
 timeouts, and ``EC_S3_MAX_POOL_CONNECTIONS`` as the number of idle connections kept
 alive for reuse. An endpoint reached through a proxy is read with ``signed_get`` instead
@@ -29,18 +29,12 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
-from botocore.auth import _host_from_url
 from botocore.httpsession import get_cert_path
 
 from app.tiers.base import Chunk
 from app.tiers.s3.errors import retry_delay
-from app.tiers.s3.signed_get import (
-    ERROR_BODY_BYTES,
-    FIRST_READ_BYTES,
-    READ_AHEAD,
-    GetSigner,
-    client_error,
-)
+from app.tiers.s3.signed_get import ERROR_BODY_BYTES, FIRST_READ_BYTES, READ_AHEAD, client_error
+from app.tiers.s3.sigv4 import GetSigner
 
 #: The buffer an answer's head is received into (and parsed from).
 HEAD_BUFFER_BYTES = 64 * 1024
@@ -337,7 +331,6 @@ class LoopGet:
         parts = urlsplit(self._endpoint)
         https = parts.scheme == "https"
         self._address = (parts.hostname or "", parts.port or (443 if https else 80))
-        self._host = _host_from_url(self._endpoint)
         # botocore's transport has no public accessor; its ``_verify`` is what the client
         # made of ``verify=`` (EC_S3_VERIFY_TLS).
         self._ssl = _tls_context(client._endpoint.http_session._verify) if https else None
@@ -360,7 +353,7 @@ class LoopGet:
 
     async def _open_once(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
         signed = self._signer.request(key)
-        lines = [f"GET {urlsplit(signed.url).path} HTTP/1.1", f"Host: {self._host}"]
+        lines = [f"GET {signed.path} HTTP/1.1", f"Host: {self._signer.host}"]
         lines += [f"{name}: {value}" for name, value in signed.headers.items()]
         request = ("\r\n".join(lines) + "\r\nUser-Agent: ec-cache\r\n\r\n").encode("latin-1")
         want = min(FIRST_READ_BYTES, self._chunk_size)

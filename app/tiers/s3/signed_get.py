@@ -8,9 +8,8 @@ per call on its request pipeline (parameter validation, endpoint rules, event ho
 response parsing), as much as the whole request costs S3 for a small object. This GET
 keeps what matters from botocore and drops the rest:
 
-* signing: botocore's ``S3SigV4Auth`` with the session's credentials, frozen per
-  request (refreshable credentials refresh themselves, as in boto3) — :class:`GetSigner`,
-  shared with ``loop_get``;
+* signing: ``sigv4.GetSigner`` (what botocore's ``S3SigV4Auth`` signs, with the
+  session's credentials frozen per request), shared with ``loop_get``;
 * transport: the boto3 client's own ``URLLib3Session`` (TLS verification and CA
   bundle, proxies, timeouts, pool size, keep-alive as configured), so both share one
   connection pool, and its exceptions are botocore's;
@@ -34,14 +33,12 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
-from urllib.parse import quote
 
 import botocore.exceptions as bce
-from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
 
 from app.tiers.s3.errors import retry_delay
+from app.tiers.s3.sigv4 import GetSigner
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +50,6 @@ ERROR_BODY_BYTES = 64 * 1024
 FIRST_READ_BYTES = 64 * 1024
 #: Chunks a download reads ahead of its consumer at most.
 READ_AHEAD = 2
-
-
-class GetSigner:
-    """Signed path-style GETs of objects in ``bucket`` at the boto3 ``client``'s endpoint
-    and region, with ``credentials`` (None: none found; each GET then fails the way
-    boto3 would). Shared by both transports."""
-
-    def __init__(self, client: Any, bucket: str, credentials: Credentials | None) -> None:
-        self.endpoint: str = client.meta.endpoint_url.rstrip("/")
-        self._region: str = client.meta.region_name
-        self._bucket = bucket
-        self._credentials = credentials
-
-    def request(self, key: str) -> AWSRequest:
-        """The SigV4-signed GET of ``key``. Its headers lack Host: the transport sends
-        it, and the signature covers botocore's form of it."""
-        if self._credentials is None:
-            raise bce.NoCredentialsError()
-        url = f"{self.endpoint}/{self._bucket}/{quote(key, safe='/~')}"
-        request = AWSRequest(method="GET", url=url, headers={"x-amz-checksum-mode": "ENABLED"})
-        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(
-            request
-        )
-        return request
 
 
 def client_error(status: int, headers: Mapping[str, str], document: bytes) -> bce.ClientError:
@@ -148,7 +121,8 @@ class SignedGet:
             raise
 
     def _get_once(self, key: str) -> tuple[Mapping[str, str], Any]:
-        prepared = self._signer.request(key).prepare()
+        signed = self._signer.request(key)
+        prepared = AWSRequest(method="GET", url=signed.url, headers=signed.headers).prepare()
         prepared.stream_output = True
         response = self._http.send(prepared)
         raw = response.raw
