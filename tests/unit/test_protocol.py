@@ -1,0 +1,112 @@
+"""``app/protocol.py``: a response's head leaves with its first body bytes, in one write.
+
+uvicorn's own protocol class (subclassed by the project) is fed raw requests over a
+transport that records every write, with small ASGI apps answering; what reached the
+transport, and in how many writes, is compared. (Every e2e test then checks the bytes
+a real client receives through it.)"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
+from app.protocol import JSONErrorsHttpToolsProtocol
+
+pytestmark = pytest.mark.anyio
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class RecordingTransport(asyncio.Transport):
+    """What the protocol wrote, one entry per write call (``writelines`` joined)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.writes.append(b"".join(bytes(data) for data in list_of_data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+def app_answering(*, pause: bool = False) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = [(b"content-length", b"5")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if pause:
+            await asyncio.sleep(0.01)  # the head must not wait for this
+        await send({"type": "http.response.body", "body": b"hello"})
+
+    return app
+
+
+async def serve(app: Any, request: bytes) -> RecordingTransport:
+    config = Config(app=app, access_log=False, server_header=False, date_header=False)
+    config.load()
+    protocol = JSONErrorsHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(request)
+    for _ in range(100):
+        await asyncio.sleep(0.001)
+        if protocol.cycle is not None and protocol.cycle.response_complete:
+            break
+    await asyncio.sleep(0.02)
+    protocol.connection_lost(None)
+    return transport
+
+
+async def test_the_head_leaves_with_the_first_body_bytes() -> None:
+    transport = await serve(app_answering(), b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert transport.writes == [HEAD + b"hello"]
+
+
+async def test_a_head_without_body_bytes_leaves_on_its_own() -> None:
+    transport = await serve(app_answering(), b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert transport.writes == [HEAD]
+    transport = await serve(app_answering(pause=True), b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert transport.writes == [HEAD, b"hello"]
+
+
+async def test_a_closing_response_sends_its_head_first() -> None:
+    request = b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    transport = await serve(app_answering(), request)
+    assert (
+        b"".join(transport.writes)
+        == HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n") + b"hello"
+    )
+    assert transport.closed
+
+
+async def test_a_put_is_written_as_uvicorn_writes_it() -> None:
+    """PUTs keep uvicorn's writes (``app.connections`` wraps their transport)."""
+    request = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
+    transport = await serve(app_answering(), request)
+    assert transport.writes == [HEAD, b"hello"]
