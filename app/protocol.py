@@ -6,15 +6,15 @@
   plain-text 400 ("Invalid HTTP request received.") and closes the connection; this
   subclass writes the same 400 with the project's JSON error body (``{"error":
   "malformed_request", ...}``) instead.
-* **The response head leaves with the first body bytes.** uvicorn writes the head of a
-  response as soon as the app starts it, then the body: two writes, so the client is
+* **A response head leaves with small first body bytes.** uvicorn writes the head of
+  a response as soon as the app starts it, then the body: two writes, so the client is
   woken for a head it cannot use without the body, and (on a shared core) the server
-  waits while it parses it. For every request but a PUT (whose transport
-  ``app.connections`` wraps for its lingering close) the head is held until the first
-  body bytes are written in the same loop iteration and leaves with them in one
-  ``writev``, as nginx sends a header with its body (``tcp_nopush``); a head with no
-  body bytes by the end of that iteration (HEAD, or an app that awaits first) leaves
-  on its own.
+  waits while it parses it. A read-through's first bytes (up to 64 KiB) come right
+  after its head. For every request but a PUT (whose transport ``app.connections``
+  wraps for its lingering close) the head is held until the first body write; if
+  that is at most ``WITH_HEAD_BYTES`` the two leave in one
+  write, as nginx sends a header with its body (``tcp_nopush``). A response that ends
+  with no body write (HEAD, an empty body) or closes sends its head then.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.scope.get("method") != "PUT":
             cycle = self.cycle
-            cycle.transport = _HeadWithBody(self.transport, cycle, self.loop)  # type: ignore[assignment]
+            cycle.transport = _HeadWithBody(self.transport, cycle)  # type: ignore[assignment]
 
     def send_400_response(self, msg: str) -> None:
         content = [b"HTTP/1.1 400 Bad Request\r\n"]
@@ -59,33 +59,40 @@ class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+#: First body bytes up to this size leave with the head; a larger first write follows
+#: a head of its own, which the client reads (and, the SDK, allocates the tensor
+#: for) while the body is on its way: measured on a 128 KiB disk hit, joining them
+#: cost 0.05-0.1 ms when client and server have a core each.
+WITH_HEAD_BYTES = 64 * 1024
+
+
 class _HeadWithBody:
     """The transport as a response cycle sees it: the response head (the first write
-    once the response started) waits for the first body bytes; see the module
-    docstring."""
+    once the response started) waits for the first body write, or for the response's
+    end; see the module docstring."""
 
-    __slots__ = ("_cycle", "_head", "_head_seen", "_loop", "_transport")
+    __slots__ = ("_cycle", "_head", "_head_seen", "_on_response", "_transport")
 
-    def __init__(
-        self,
-        transport: asyncio.Transport,
-        cycle: RequestResponseCycle,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
+    def __init__(self, transport: asyncio.Transport, cycle: RequestResponseCycle) -> None:
         self._transport = transport
         self._cycle = cycle
-        self._loop = loop
         self._head: bytes | None = None
         self._head_seen = False
+        # A response with no body write (HEAD, an empty body) ends here: flush first.
+        self._on_response = cycle.on_response
+        cycle.on_response = self._response_done
 
     def write(self, data: bytes) -> None:
         if self._head is not None:
             head, self._head = self._head, None
-            self._transport.writelines((head, data))
+            if len(data) <= WITH_HEAD_BYTES:
+                self._transport.write(head + data)
+            else:
+                self._transport.write(head)
+                self._transport.write(data)
         elif not self._head_seen and self._cycle.response_started:
             self._head_seen = True
             self._head = data
-            self._loop.call_soon(self._flush)
         else:
             self._transport.write(data)
 
@@ -93,6 +100,10 @@ class _HeadWithBody:
         head, self._head = self._head, None
         if head is not None and not self._transport.is_closing():
             self._transport.write(head)
+
+    def _response_done(self) -> None:
+        self._flush()
+        self._on_response()
 
     def close(self) -> None:
         self._flush()

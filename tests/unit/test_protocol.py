@@ -1,4 +1,4 @@
-"""``app/protocol.py``: a response's head leaves with its first body bytes, in one write.
+"""``app/protocol.py``: a response's head leaves with small first body bytes, in one write.
 
 uvicorn's own protocol class (subclassed by the project) is fed raw requests over a
 transport that records every write, with small ASGI apps answering; what reached the
@@ -14,11 +14,9 @@ import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from app.protocol import JSONErrorsHttpToolsProtocol
+from app.protocol import WITH_HEAD_BYTES, JSONErrorsHttpToolsProtocol
 
 pytestmark = pytest.mark.anyio
-
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
 
 
 @pytest.fixture
@@ -56,15 +54,19 @@ class RecordingTransport(asyncio.Transport):
     def resume_reading(self) -> None: ...
 
 
-def app_answering(*, pause: bool = False) -> Any:
+def app_answering(body: bytes = b"hello", *, pause: bool = False) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        headers = [(b"content-length", b"5")]
+        headers = [(b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if pause:
-            await asyncio.sleep(0.01)  # the head must not wait for this
-        await send({"type": "http.response.body", "body": b"hello"})
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": body})
 
     return app
+
+
+def head(length: int = 5) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % length
 
 
 async def serve(app: Any, request: bytes) -> RecordingTransport:
@@ -83,25 +85,32 @@ async def serve(app: Any, request: bytes) -> RecordingTransport:
     return transport
 
 
-async def test_the_head_leaves_with_the_first_body_bytes() -> None:
+async def test_the_head_leaves_with_small_first_body_bytes() -> None:
     transport = await serve(app_answering(), b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
-    assert transport.writes == [HEAD + b"hello"]
-
-
-async def test_a_head_without_body_bytes_leaves_on_its_own() -> None:
-    transport = await serve(app_answering(), b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n")
-    assert transport.writes == [HEAD]
+    assert transport.writes == [head() + b"hello"]
+    # Also when the app awaits something between the head and the body.
     transport = await serve(app_answering(pause=True), b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
-    assert transport.writes == [HEAD, b"hello"]
+    assert transport.writes == [head() + b"hello"]
+
+
+async def test_a_large_body_follows_a_head_of_its_own() -> None:
+    body = bytes(WITH_HEAD_BYTES + 1)
+    transport = await serve(app_answering(body), b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert transport.writes == [head(len(body)), body]
+
+
+async def test_a_response_without_body_bytes_sends_its_head_at_its_end() -> None:
+    transport = await serve(app_answering(), b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert transport.writes == [head()]
+    transport = await serve(app_answering(b""), b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert transport.writes == [head(0)]
 
 
 async def test_a_closing_response_sends_its_head_first() -> None:
     request = b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
     transport = await serve(app_answering(), request)
-    assert (
-        b"".join(transport.writes)
-        == HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n") + b"hello"
-    )
+    closing_head = head().replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+    assert b"".join(transport.writes) == closing_head + b"hello"
     assert transport.closed
 
 
@@ -109,4 +118,4 @@ async def test_a_put_is_written_as_uvicorn_writes_it() -> None:
     """PUTs keep uvicorn's writes (``app.connections`` wraps their transport)."""
     request = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
     transport = await serve(app_answering(), request)
-    assert transport.writes == [HEAD, b"hello"]
+    assert transport.writes == [head(), b"hello"]
