@@ -11,10 +11,10 @@
   woken for a head it cannot use without the body, and (on a shared core) the server
   waits while it parses it. A read-through's first bytes (up to 64 KiB) come right
   after its head. For every request but a PUT (whose transport ``app.connections``
-  wraps for its lingering close) the head is held until the first body write; if
-  that is at most ``WITH_HEAD_BYTES`` the two leave in one
-  write, as nginx sends a header with its body (``tcp_nopush``). A response that ends
-  with no body write (HEAD, an empty body) or closes sends its head then.
+  wraps for its lingering close) the head is held until the first body write; if that
+  is at most ``WITH_HEAD_BYTES`` the two leave in one write, as nginx sends a header
+  with its body (``tcp_nopush``). A response that ends with no body write (HEAD, an
+  empty body) or closes sends its head then.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
 
 
 #: First body bytes up to this size leave with the head; a larger first write follows
-#: a head of its own, which the client reads (and, the SDK, allocates the tensor
-#: for) while the body is on its way: measured on a 128 KiB disk hit, joining them
-#: cost 0.05-0.1 ms when client and server have a core each.
+#: a head of its own, which the client reads while the body is on its way (the SDK
+#: allocates the tensor from it): measured on a 128 KiB disk hit, joining the two cost
+#: 0.05-0.1 ms when client and server had a core each.
 WITH_HEAD_BYTES = 64 * 1024
 
 
