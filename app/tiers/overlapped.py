@@ -49,12 +49,9 @@ class OverlappedWrite:
         self._waiting_bytes = 0
         self._error: BaseException | None = None
         self._stopped = False
-        #: ``create`` was called.
-        self.created = False
 
     def create(self) -> None:
         """Start creating the file; the first batch is written once it exists."""
-        self.created = True
         self._start(self.pending.create)
 
     async def write(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:

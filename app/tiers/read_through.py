@@ -119,9 +119,10 @@ class Fill:
         self._changed = asyncio.Event()
 
     async def until(self, future: asyncio.Future[T]) -> T:
-        """``future``'s outcome (one of this fill's), for a reader. Woken by the fill's
-        notice, which comes with every outcome: one loop iteration sooner than
-        ``asyncio.shield``, and a reader that is cancelled leaves ``future`` alone."""
+        """``future``'s outcome (one of this fill's), for whoever waits on the fill.
+        Woken by the fill's notice, which comes with every outcome: one loop iteration
+        sooner than ``asyncio.shield``, and a waiter that is cancelled leaves ``future``
+        alone."""
         while not future.done():
             await self._changed.wait()
         return future.result()
@@ -171,14 +172,6 @@ class Fill:
                     # sooner; the body's own header must then say the same (below).
                     self.ready.set_result(EntryInfo(remote.size, remote.crc32c, described, tier))
                     self._notify()
-                # The disk may fall behind by as much as readers are served from
-                # memory: they get the body at the backend's pace, not the disk's.
-                file = OverlappedWrite(
-                    pending,
-                    owner.writer,
-                    behind=RECENT_BYTES,
-                    on_written=lambda: self._on_disk(pending),
-                )
                 async for chunk in remote.chunks():
                     validator.feed(chunk)
                     if validator.header is not None and not self.ready.done():
@@ -195,13 +188,22 @@ class Fill:
                     # file serves those who fell behind.
                     self._remember(chunk)
                     self._notify()
-                    if not file.created:
+                    if file is None:
                         # Readers send the first bytes before the disk's work competes
-                        # with them for the CPU.
+                        # with them for the CPU. The disk may then fall behind by as
+                        # much as readers are served from memory: they get the body at
+                        # the backend's pace, not the disk's.
                         await asyncio.sleep(0)
+                        file = OverlappedWrite(
+                            pending,
+                            owner.writer,
+                            behind=RECENT_BYTES,
+                            on_written=lambda: self._on_disk(pending),
+                        )
                         file.create()
                     await file.write((chunk,))
                 header = validator.finish()  # length and CRC32C
+                assert file is not None  # a body that passed has bytes
                 self.verified.set_result(None)
                 self._notify()
                 await file.flush()
@@ -388,7 +390,7 @@ class ReadThrough:
             # full read can tell it; do that once, through the disk tier, like a GET.
             fill = self.fill(key)
             fill.detach()
-            return await asyncio.shield(fill.ready)
+            return await fill.until(fill.ready)
         return EntryInfo(info.size, info.crc32c, info.header, self.backend.name)
 
     def fill(self, key: EntryKey) -> Fill:
@@ -409,7 +411,7 @@ class ReadThrough:
         fill = self._fills.get(key.digest)
         if fill is not None:
             with contextlib.suppress(Exception):
-                await asyncio.shield(fill.finished)
+                await fill.until(fill.finished)
 
     def filling(self) -> list[EntryKey]:
         """The keys being copied from the backend to disk right now."""
