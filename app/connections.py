@@ -4,8 +4,8 @@ uvicorn's httptools protocol bounds none of these itself: a connection that neve
 a request, a request head trickled a byte at a time (slowloris) and a client that stops
 reading a response are all held for as long as the client likes, and so are the upload
 or download slot, the task and the mmap'd file behind them. ``GuardedHttpProtocol``
-(on top of ``app.protocol``'s JSON 400s) adds, per connection and with no task of
-its own (loop timers only):
+(on top of ``app.protocol``'s JSON 400s and held response heads) adds, per connection
+and with no task of its own (loop timers only):
 
 * a bound on open connections (``EC_MAX_CONNECTIONS``): one more is answered 503
   ``too_many_connections`` (``Connection: close``, ``Retry-After: 1``) and closed at once;
@@ -46,7 +46,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCy
 from uvicorn.server import ServerState
 
 from app.metrics import ConnectionMetrics
-from app.protocol import JSONErrorsHttpToolsProtocol
+from app.protocol import ECHttpToolsProtocol
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,8 @@ def _json_response(status: int, code: str, message: str, extra: bytes = b"") -> 
     )
 
 
-class GuardedHttpProtocol(JSONErrorsHttpToolsProtocol):
-    """uvicorn's httptools protocol (with JSON 400s, ``app.protocol``) and the
+class GuardedHttpProtocol(ECHttpToolsProtocol):
+    """uvicorn's httptools protocol (as ``app.protocol`` changes it) and the
     deadlines and bound of the module docstring.
 
     Use ``guarded_protocol`` to get a subclass bound to limits and metrics."""

@@ -35,7 +35,9 @@ MALFORMED_BODY = json.dumps(
 ).encode()
 
 
-class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
+class ECHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with this module's two changes."""
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         if self.scope.get("method") != "PUT":

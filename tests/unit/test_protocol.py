@@ -14,7 +14,7 @@ import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from app.protocol import WITH_HEAD_BYTES, JSONErrorsHttpToolsProtocol
+from app.protocol import WITH_HEAD_BYTES, ECHttpToolsProtocol
 
 pytestmark = pytest.mark.anyio
 
@@ -72,7 +72,7 @@ def head(length: int = 5) -> bytes:
 async def serve(app: Any, request: bytes) -> RecordingTransport:
     config = Config(app=app, access_log=False, server_header=False, date_header=False)
     config.load()
-    protocol = JSONErrorsHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
+    protocol = ECHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
     transport = RecordingTransport()
     protocol.connection_made(transport)
     protocol.data_received(request)
