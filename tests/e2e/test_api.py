@@ -440,3 +440,30 @@ def test_early_answer_survives_a_client_that_keeps_sending(server: ServerProcess
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 412 "), answer[:200]
         assert b'"already_exists"' in answer
+
+
+def test_an_upload_read_in_many_pieces_then_the_next_request_on_its_connection(
+    server: ServerProcess,
+) -> None:
+    """A PUT body sent in small writes (most of it is counted off past the HTTP parser,
+    see ``app.protocol``), its last bytes in one write with a GET pipelined behind
+    them: both are answered on the connection, the GET with the body stored."""
+    data = body((3_000_000,), "U8", 1, seed=7)
+    target = entry_url("many-pieces", "uint8")
+    head = f"PUT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n\r\n"
+    get = f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    answers = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head.encode() + data[:100])
+        for start in range(100, len(data) - 1000, 65_536):
+            sock.sendall(data[start : min(start + 65_536, len(data) - 1000)])
+            time.sleep(0.0005)
+        sock.sendall(data[len(data) - 1000 :] + get.encode())
+        while chunk := sock.recv(1 << 20):
+            answers += chunk
+    put_head, _, rest = answers.partition(b"\r\n\r\n")
+    assert put_head.startswith(b"HTTP/1.1 201 "), put_head
+    put_length = int(put_head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    get_head, _, stored = rest[put_length:].partition(b"\r\n\r\n")
+    assert get_head.startswith(b"HTTP/1.1 200 "), get_head
+    assert stored == data

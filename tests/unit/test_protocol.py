@@ -1,4 +1,5 @@
-"""``app/protocol.py``: a response's head leaves with small first body bytes, in one write.
+"""``app/protocol.py``: a response's head leaves with small first body bytes, in one
+write; an upload's body reaches the app as the socket's bytes, not copies of them.
 
 uvicorn's own protocol class (subclassed by the project) is fed raw requests over a
 transport that records every write, with small ASGI apps answering; what reached the
@@ -119,3 +120,93 @@ async def test_a_put_is_written_as_uvicorn_writes_it() -> None:
     request = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
     transport = await serve(app_answering(), request)
     assert transport.writes == [head(), b"hello"]
+
+
+def recording_upload_app(received: list[Any]) -> Any:
+    """Reads the whole body, keeping each ``http.request`` message of a PUT, then
+    answers with the request's method."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        more = True
+        while more:
+            message = await receive()
+            if scope["method"] == "PUT":
+                received.append(message)
+            more = message.get("more_body", False)
+            await asyncio.sleep(0.001)  # busy: pieces that arrive meanwhile wait
+        headers = [(b"content-length", b"%d" % len(scope["method"]))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": scope["method"].encode()})
+
+    return app
+
+
+async def feed(protocol: ECHttpToolsProtocol, pieces: list[bytes]) -> None:
+    """Each piece as one read of the socket, the app given time to take each."""
+    for piece in pieces:
+        protocol.data_received(piece)
+        await asyncio.sleep(0.005)
+
+
+def start(app: Any) -> tuple[ECHttpToolsProtocol, RecordingTransport]:
+    config = Config(app=app, access_log=False, server_header=False, date_header=False)
+    config.load()
+    protocol = ECHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+async def test_an_upload_body_reaches_the_app_as_the_bytes_read() -> None:
+    """A ``Content-Length`` PUT body read in pieces: the app gets those very objects
+    (uvicorn copies each twice, llhttp once more), then a request pipelined after the
+    body's last bytes is read by a fresh parser and answered on the same connection."""
+    received: list[Any] = []
+    protocol, transport = start(recording_upload_app(received))
+    body_pieces = [bytes([n]) * (100_000 + n) for n in range(1, 5)]
+    length = 4 + sum(len(piece) for piece in body_pieces)
+    head_and_start = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % length
+    await feed(protocol, [head_and_start + b"ab", b"cd", *body_pieces[:-1]])
+    # The body's last bytes and the next request arrive in one read.
+    await feed(protocol, [body_pieces[-1] + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await asyncio.sleep(0.05)
+    protocol.connection_lost(None)
+
+    # ``ab`` came with the head, so through the parser; ``cd`` and the rest did not.
+    assert [m["body"] for m in received[:2]] == [b"ab", b"cd"]
+    *_, last = received
+    assert [m["more_body"] for m in received] == [True] * (len(received) - 1) + [False]
+    assert b"".join(m["body"] for m in received) == b"abcd" + b"".join(body_pieces)
+    handed = [m["body"] for m in received[2:-1]]
+    assert len(handed) == len(body_pieces) - 1
+    assert all(any(h is p for p in body_pieces) for h in handed), "copied, not handed over"
+    assert last["body"] == body_pieces[-1]
+    assert b"".join(transport.writes).count(b"HTTP/1.1 200 OK") == 2
+    assert b"".join(transport.writes).endswith(b"GET")
+
+
+async def test_pieces_that_arrive_while_the_app_is_busy_are_joined_in_order() -> None:
+    received: list[Any] = []
+    protocol, transport = start(recording_upload_app(received))
+    pieces = [bytes([n]) * 1000 for n in range(20)]
+    request = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 20000\r\n\r\n"
+    protocol.data_received(request)
+    for piece in pieces:  # all in before the app runs again
+        protocol.data_received(piece)
+    await asyncio.sleep(0.05)
+    protocol.connection_lost(None)
+    assert b"".join(m["body"] for m in received) == b"".join(pieces)
+    assert received[-1]["more_body"] is False
+    assert b"".join(transport.writes).endswith(b"PUT")
+
+
+async def test_a_chunked_upload_is_framed_by_the_parser() -> None:
+    received: list[Any] = []
+    protocol, transport = start(recording_upload_app(received))
+    request = b"PUT /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = [b"5\r\nhello\r\n", b"6\r\n world\r\n", b"0\r\n\r\n"]
+    await feed(protocol, [request, *chunks, b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await asyncio.sleep(0.05)
+    protocol.connection_lost(None)
+    assert b"".join(m["body"] for m in received) == b"hello world"
+    assert b"".join(transport.writes).count(b"HTTP/1.1 200 OK") == 2
