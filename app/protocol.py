@@ -15,21 +15,26 @@
   is at most ``WITH_HEAD_BYTES`` the two leave in one write, as nginx sends a header
   with its body (``tcp_nopush``). A response that ends with no body write (HEAD, an
   empty body) or closes sends its head then.
-* **Upload bodies are handed over as received.** uvicorn has llhttp copy each body
-  piece out of the bytes the socket gave, appends that to a ``bytearray`` and hands
-  the app a ``bytes`` copy of it: three copies of every byte of a PUT, the largest
-  share of the event loop's CPU in a 4.7 MB ingest. A PUT with a ``Content-Length``
-  is parsed up to its head (and whatever of its body came with it); the rest of its
-  body is counted off here and the socket's bytes go to the app as they are. Its
-  cycle (``_UploadCycle``) keeps the pieces and hands them over (joined only when
-  several arrived while the app was busy). When the body is complete the request is
-  completed as llhttp would, and a fresh parser reads the next request.
+* **Upload bodies are read into buffers handed to the app.** uvicorn gets each read
+  of the socket as a new ``bytes`` (a copy, by uvloop), has llhttp copy the body out
+  of it, appends that to a ``bytearray`` and hands the app a ``bytes`` copy of that:
+  four copies of every byte of a PUT, the largest share of the event loop's CPU in a
+  4.7 MB ingest. A PUT with a ``Content-Length`` is parsed up to its head (and
+  whatever of its body came with it); then ``_BodyReader``, an
+  ``asyncio.BufferedProtocol``, takes the transport and the socket reads the rest
+  straight into buffers of up to ``BODY_BUFFER_BYTES``, never past the body's end.
+  The app gets each read as a ``memoryview`` of its buffer, one per ``receive`` as it
+  came, through the cycle (``_UploadCycle``). When the body is complete the HTTP
+  protocol takes the transport back, the request completes as llhttp would complete
+  it, and a fresh parser reads the next request. A body still arriving after its
+  answer (a refusal) goes back through the HTTP protocol, which counts it off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from typing import Any
 
 import httptools
@@ -59,16 +64,40 @@ class ECHttpToolsProtocol(HttpToolsProtocol):
         left = self._body_left
         if not left:  # the parser holds the request (or its body is llhttp's to frame)
             super().data_received(data)
+            if self._body_left and not self.transport.is_closing():
+                self._switch_protocol(_BodyReader(self))
             return
         body, rest = (data, b"") if len(data) <= left else (data[:left], data[left:])
         self.on_body(body)
-        if self._body_left:
+        if not self._body_left:
+            self._body_done()
+            if rest:
+                super().data_received(rest)
+
+    def body_read(self, piece: memoryview) -> None:
+        """``_BodyReader``'s: ``piece`` of the body was read into its buffer."""
+        cycle = self.cycle
+        if cycle.response_complete:  # answered early: what still comes is discarded
+            self._switch_protocol(self)  # by ``app.connections``' lingering close
+            self.data_received(bytes(piece))
             return
-        # Complete: the parser, left inside this body, is replaced for the next one.
+        self.on_body(piece)
+        if not self._body_left:
+            self._switch_protocol(self)
+            self._body_done()
+
+    def _body_done(self) -> None:
+        """The body is complete: the parser, left inside it, is replaced for the next
+        request, and the request completes as llhttp would complete it."""
         self.parser = _new_parser(self)
         self.on_message_complete()
-        if rest:
-            super().data_received(rest)
+
+    def _switch_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        transport = self.transport
+        transport.set_protocol(protocol)
+        if not self.flow.read_paused:  # uvloop picks a protocol's read path at the start
+            transport.pause_reading()
+            transport.resume_reading()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -79,10 +108,10 @@ class ECHttpToolsProtocol(HttpToolsProtocol):
         else:
             cycle.transport = _HeadWithBody(self.transport, cycle)  # type: ignore[assignment]
 
-    def on_body(self, body: bytes) -> None:
+    def on_body(self, body: bytes | memoryview) -> None:
         cycle = self.cycle
         if not isinstance(cycle, _UploadCycle):
-            super().on_body(body)
+            super().on_body(body)  # type: ignore[arg-type]  # bytes: llhttp's
             return
         if self._body_left:  # 0 for a chunked body
             self._body_left -= len(body)
@@ -183,12 +212,52 @@ class _HeadWithBody:
         return getattr(self._transport, name)
 
 
-class _UploadCycle(RequestResponseCycle):
-    """A PUT's response cycle: its body pieces are handed to the app as the parser
-    gave them, not copied into a ``bytearray`` and out again (see the module
-    docstring). ``ECHttpToolsProtocol.on_body`` fills ``pieces``."""
+#: A PUT body past its head is read into buffers of this size (or of what is left of
+#: the body, if less), which are handed to the app as they fill.
+BODY_BUFFER_BYTES = 1024 * 1024
 
-    pieces: list[bytes]
+
+class _BodyReader(asyncio.BufferedProtocol):
+    """The transport's protocol while a PUT's body is read: the socket's bytes go
+    straight into buffers that are handed to the app, never past the body's end (the
+    next request stays in the socket for the HTTP protocol). Everything else is the
+    HTTP protocol's."""
+
+    __slots__ = ("_free", "_protocol")
+
+    def __init__(self, protocol: ECHttpToolsProtocol) -> None:
+        self._protocol = protocol
+        self._free = memoryview(b"")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if not self._free:
+            size = min(self._protocol._body_left, BODY_BUFFER_BYTES)
+            self._free = memoryview(bytearray(size))
+        return self._free
+
+    def buffer_updated(self, nbytes: int) -> None:
+        piece, self._free = self._free[:nbytes], self._free[nbytes:]
+        self._protocol.body_read(piece)
+
+    def eof_received(self) -> None:
+        self._protocol.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._protocol.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._protocol.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._protocol.resume_writing()
+
+
+class _UploadCycle(RequestResponseCycle):
+    """A PUT's response cycle: its body pieces are handed to the app as they were
+    read, not copied into a ``bytearray`` and out again (see the module docstring).
+    ``ECHttpToolsProtocol.on_body`` fills ``pieces``."""
+
+    pieces: deque[bytes | memoryview]
     piece_bytes: int
 
     @classmethod
@@ -196,22 +265,27 @@ class _UploadCycle(RequestResponseCycle):
         """Make the cycle uvicorn has just made (its task not yet run) one of these."""
         cycle.__class__ = cls
         assert isinstance(cycle, cls)
-        cycle.pieces = []
+        cycle.pieces = deque()
         cycle.piece_bytes = 0
 
     async def receive(self) -> ASGIReceiveEvent:
-        # uvicorn's receive, but for the body it hands over.
+        # uvicorn's receive, but for the body: one piece per message, as it came.
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self.waiting_for_100_continue = False
         if not self.disconnected and not self.response_complete:
-            self.flow.resume_reading()
+            if self.piece_bytes <= HIGH_WATER_LIMIT:
+                self.flow.resume_reading()
             await self.message_event.wait()
             self.message_event.clear()
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
         pieces = self.pieces
-        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        self.pieces = []
-        self.piece_bytes = 0
-        return {"type": "http.request", "body": body, "more_body": self.more_body}
+        body = pieces.popleft() if pieces else b""
+        self.piece_bytes -= len(body)
+        if pieces:  # the next one is for the next call, at once
+            self.message_event.set()
+        more_body = self.more_body or bool(pieces)
+        # A memoryview of a read buffer where ASGI says bytes: the app (``Store.put``)
+        # takes any bytes-like piece.
+        return {"type": "http.request", "body": body, "more_body": more_body}  # type: ignore[typeddict-item]

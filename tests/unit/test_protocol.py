@@ -1,5 +1,5 @@
 """``app/protocol.py``: a response's head leaves with small first body bytes, in one
-write; an upload's body reaches the app as the socket's bytes, not copies of them.
+write; an upload's body is read into buffers that are handed to the app.
 
 uvicorn's own protocol class (subclassed by the project) is fed raw requests over a
 transport that records every write, with small ASGI apps answering; what reached the
@@ -15,7 +15,7 @@ import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from app.protocol import WITH_HEAD_BYTES, ECHttpToolsProtocol
+from app.protocol import BODY_BUFFER_BYTES, WITH_HEAD_BYTES, ECHttpToolsProtocol
 
 pytestmark = pytest.mark.anyio
 
@@ -26,10 +26,14 @@ def anyio_backend() -> str:
 
 
 class RecordingTransport(asyncio.Transport):
-    """What the protocol wrote, one entry per write call (``writelines`` joined)."""
+    """What the protocol wrote, one entry per write call (``writelines`` joined); reads
+    (``deliver``) go to the protocol set last, as a socket transport's do."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.protocol: asyncio.BaseProtocol | None = None
+        self.buffers_offered: list[int] = []
+        self.buffered_reads: list[int] = []
         self.writes: list[bytes] = []
         self.closed = False
 
@@ -49,6 +53,31 @@ class RecordingTransport(asyncio.Transport):
         return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 50000)}.get(
             name, default
         )
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        assert self.protocol is not None
+        return self.protocol
+
+    def deliver(self, data: bytes) -> None:
+        """``data`` arrives: a buffered protocol takes what fits in the buffer it
+        offers, and the protocol then set takes the rest."""
+        while data:
+            protocol = self.protocol
+            if isinstance(protocol, asyncio.BufferedProtocol):
+                buffer = memoryview(protocol.get_buffer(-1))
+                self.buffers_offered.append(len(buffer))
+                n = min(len(buffer), len(data))
+                buffer[:n] = data[:n]
+                data = data[n:]
+                self.buffered_reads.append(n)
+                protocol.buffer_updated(n)
+            else:
+                assert isinstance(protocol, asyncio.Protocol)
+                protocol.data_received(data)
+                data = b""
 
     def pause_reading(self) -> None: ...
 
@@ -141,10 +170,10 @@ def recording_upload_app(received: list[Any]) -> Any:
     return app
 
 
-async def feed(protocol: ECHttpToolsProtocol, pieces: list[bytes]) -> None:
-    """Each piece as one read of the socket, the app given time to take each."""
+async def feed(transport: RecordingTransport, pieces: list[bytes]) -> None:
+    """Each piece as it arrives from the socket, the app given time to take each."""
     for piece in pieces:
-        protocol.data_received(piece)
+        transport.deliver(piece)
         await asyncio.sleep(0.005)
 
 
@@ -153,51 +182,74 @@ def start(app: Any) -> tuple[ECHttpToolsProtocol, RecordingTransport]:
     config.load()
     protocol = ECHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
     transport = RecordingTransport()
+    transport.set_protocol(protocol)
     protocol.connection_made(transport)
     return protocol, transport
 
 
-async def test_an_upload_body_reaches_the_app_as_the_bytes_read() -> None:
-    """A ``Content-Length`` PUT body read in pieces: the app gets those very objects
-    (uvicorn copies each twice, llhttp once more), then a request pipelined after the
-    body's last bytes is read by a fresh parser and answered on the same connection."""
+async def test_an_upload_body_is_read_into_buffers_handed_to_the_app() -> None:
+    """A ``Content-Length`` PUT body: what comes with the head goes through the parser;
+    the rest is read into the reader's buffers (up to ``BODY_BUFFER_BYTES``, never past
+    the body's end) and the app gets views of them, no copies. The request pipelined
+    behind the body's last bytes stays for the HTTP protocol, whose fresh parser
+    reads it, and is answered on the same connection."""
     received: list[Any] = []
     protocol, transport = start(recording_upload_app(received))
-    body_pieces = [bytes([n]) * (100_000 + n) for n in range(1, 5)]
-    length = 4 + sum(len(piece) for piece in body_pieces)
+    body_pieces = [bytes([n]) * (400_000 + n) for n in range(1, 5)]
+    length = 2 + sum(len(piece) for piece in body_pieces)
     head_and_start = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % length
-    await feed(protocol, [head_and_start + b"ab", b"cd", *body_pieces[:-1]])
-    # The body's last bytes and the next request arrive in one read.
-    await feed(protocol, [body_pieces[-1] + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await feed(transport, [head_and_start + b"ab", *body_pieces[:-1]])
+    # The body's last bytes and the next request arrive together.
+    await feed(transport, [body_pieces[-1] + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
     await asyncio.sleep(0.05)
     protocol.connection_lost(None)
 
-    # ``ab`` came with the head, so through the parser; ``cd`` and the rest did not.
-    assert [m["body"] for m in received[:2]] == [b"ab", b"cd"]
-    *_, last = received
+    assert received[0]["body"] == b"ab"  # came with the head: through the parser
+    handed = [m["body"] for m in received[1:]]
+    assert all(isinstance(piece, memoryview) for piece in handed), "copied, not handed over"
+    assert b"".join(handed) == b"".join(body_pieces)
     assert [m["more_body"] for m in received] == [True] * (len(received) - 1) + [False]
-    assert b"".join(m["body"] for m in received) == b"abcd" + b"".join(body_pieces)
-    handed = [m["body"] for m in received[2:-1]]
-    assert len(handed) == len(body_pieces) - 1
-    assert all(any(h is p for p in body_pieces) for h in handed), "copied, not handed over"
-    assert last["body"] == body_pieces[-1]
+    assert max(transport.buffers_offered) == BODY_BUFFER_BYTES
+    assert sum(transport.buffered_reads) == length - 2  # not one byte of the GET
     assert b"".join(transport.writes).count(b"HTTP/1.1 200 OK") == 2
     assert b"".join(transport.writes).endswith(b"GET")
 
 
-async def test_pieces_that_arrive_while_the_app_is_busy_are_joined_in_order() -> None:
+async def test_pieces_that_arrive_while_the_app_is_busy_are_handed_over_in_order() -> None:
+    """One message per piece, never joined (a copy)."""
     received: list[Any] = []
     protocol, transport = start(recording_upload_app(received))
     pieces = [bytes([n]) * 1000 for n in range(20)]
-    request = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 20000\r\n\r\n"
-    protocol.data_received(request)
+    transport.deliver(b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 20000\r\n\r\n")
     for piece in pieces:  # all in before the app runs again
-        protocol.data_received(piece)
+        transport.deliver(piece)
     await asyncio.sleep(0.05)
     protocol.connection_lost(None)
-    assert b"".join(m["body"] for m in received) == b"".join(pieces)
-    assert received[-1]["more_body"] is False
+    assert [bytes(m["body"]) for m in received] == pieces
+    assert [m["more_body"] for m in received] == [True] * 19 + [False]
     assert b"".join(transport.writes).endswith(b"PUT")
+
+
+async def test_the_rest_of_a_body_answered_early_is_discarded() -> None:
+    """An app that answers a PUT without reading its body (a refusal): the rest of
+    the body goes back through the HTTP protocol, is counted off and dropped, and the
+    request behind it is answered."""
+    requests: list[str] = []
+
+    async def refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        requests.append(scope["method"])
+        headers = [(b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 412, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    protocol, transport = start(refuse)
+    await feed(transport, [b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 300000\r\n\r\n"])
+    await feed(transport, [bytes(100_000), bytes(100_000)])
+    await feed(transport, [bytes(100_000) + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await asyncio.sleep(0.05)
+    protocol.connection_lost(None)
+    assert requests == ["PUT", "GET"]
+    assert b"".join(transport.writes).count(b"HTTP/1.1 412 ") == 2
 
 
 async def test_a_chunked_upload_is_framed_by_the_parser() -> None:
@@ -205,7 +257,7 @@ async def test_a_chunked_upload_is_framed_by_the_parser() -> None:
     protocol, transport = start(recording_upload_app(received))
     request = b"PUT /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
     chunks = [b"5\r\nhello\r\n", b"6\r\n world\r\n", b"0\r\n\r\n"]
-    await feed(protocol, [request, *chunks, b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await feed(transport, [request, *chunks, b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
     await asyncio.sleep(0.05)
     protocol.connection_lost(None)
     assert b"".join(m["body"] for m in received) == b"hello world"
