@@ -215,6 +215,26 @@ async def test_an_upload_body_is_read_into_buffers_handed_to_the_app() -> None:
     assert b"".join(transport.writes).endswith(b"GET")
 
 
+async def test_a_body_after_100_continue_is_read_into_buffers_from_its_second_read() -> None:
+    """``Expect: 100-continue``: the head comes alone and the socket is idle until the
+    app asks for the body; its first read comes as the socket's bytes, the rest into
+    the reader's buffers (see ``ECHttpToolsProtocol.data_received``)."""
+    received: list[Any] = []
+    protocol, transport = start(recording_upload_app(received))
+    pieces = [bytes([n]) * 300_000 for n in range(1, 4)]
+    head = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 900000\r\nExpect: 100-continue\r\n\r\n"
+    await feed(transport, [head])
+    assert transport.protocol is protocol  # nothing of the body yet
+    assert transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+    await feed(transport, pieces)
+    await asyncio.sleep(0.05)
+    protocol.connection_lost(None)
+    assert [bytes(m["body"]) for m in received] == pieces
+    assert type(received[0]["body"]) is bytes
+    assert sum(transport.buffered_reads) == 600_000
+    assert b"".join(transport.writes).endswith(b"PUT")
+
+
 async def test_pieces_that_arrive_while_the_app_is_busy_are_handed_over_in_order() -> None:
     """One message per piece, never joined (a copy)."""
     received: list[Any] = []
