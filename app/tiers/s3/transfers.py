@@ -179,6 +179,10 @@ async def put_file(
 
 #: Bytes a streaming upload lets the receive run ahead of what S3 has taken.
 STREAM_WINDOW = 8 * MiB
+#: What a streaming upload holds back until the body is verified: enough that S3
+#: cannot complete the object, little enough to send quickly after the body's end
+#: (received pieces are up to 1 MiB).
+HELD_BACK_BYTES = 64 * 1024
 
 
 class UploadAborted(Exception):
@@ -263,9 +267,10 @@ class StreamingPut:
 
     The size and the CRC32C must be known before the first byte (Content-Length and
     ``X-EC-CRC32C`` of the PUT): S3 verifies the CRC32C over what it receives. The
-    last chunk fed is held back until :meth:`finish`, which the caller calls only once
-    it has verified the whole body itself, so S3 can never complete an object the
-    caller found bad; :meth:`abort` withdraws the body and S3 stores nothing.
+    last bytes fed (up to ``HELD_BACK_BYTES``) are held back until :meth:`finish`,
+    which the caller calls only once it has verified the whole body itself, so S3 can
+    never complete an object the caller found bad; :meth:`abort` withdraws the body and
+    S3 stores nothing.
     """
 
     def __init__(
@@ -299,14 +304,18 @@ class StreamingPut:
         return self._task.done()
 
     async def feed(self, chunks: Sequence[bytes | memoryview]) -> None:
-        """Hand received chunks to the sender (all but the last one so far); waits while
-        more than ``STREAM_WINDOW`` bytes are queued."""
+        """Hand received chunks to the sender (all but their last ``HELD_BACK_BYTES``
+        so far); waits while more than ``STREAM_WINDOW`` bytes are queued."""
         if self._task.done():
             return  # refused or broken already: finish() raises why
         pipe = self._pipe
         for chunk in chunks:
             if self._held is not None:
                 pipe.push(self._held)
+            if len(chunk) > HELD_BACK_BYTES:
+                view = memoryview(chunk)
+                pipe.push(view[:-HELD_BACK_BYTES])
+                chunk = view[-HELD_BACK_BYTES:]
             self._held = chunk
         while pipe.queued > STREAM_WINDOW and not self._task.done():
             waiter: asyncio.Future[Any] = asyncio.ensure_future(pipe.wait_taken())
