@@ -6,8 +6,9 @@ do: open, fstat, mmap, one ``http.response.start`` and one ``http.response.body`
 message; and every PUT with 201 once it has received (and dropped) the whole body: the
 receive floor of a PUT, with no file, checksum or sync. No routing, validation, auth,
 metrics or logging; the uvicorn options are
-``app.__main__.server_options`` (uvloop, the guarded httptools protocol), so the gap
-between this and ec-cache is what ec-cache's own code costs per request.
+``app.__main__.server_options`` (uvloop, the guarded httptools protocol, whose body
+reader receives PUT bodies here too), so the gap between this and ec-cache is what
+ec-cache's own code costs per request.
 """
 
 from __future__ import annotations
