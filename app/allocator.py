@@ -1,10 +1,10 @@
 """The C allocator's thresholds, set once at start-up for a server that moves large bodies.
 
 An upload's body reaches the app in pieces of up to 1 MiB (``app.protocol``'s read
-buffers). glibc serves blocks of that size with a fresh ``mmap`` (the default threshold is 128 KiB, adjusted upwards only for
-the largest block freed so far) and hands freed heap memory back to the kernel once
-128 KiB lie free at its top, so every piece of every body is new memory: one page fault
-and one zeroed page per 4 KiB. With the mmap threshold at 32 MiB (glibc's maximum on
+buffers). glibc serves blocks of that size with a fresh ``mmap`` (the default threshold
+is 128 KiB, adjusted upwards only for the largest block freed so far) and hands freed
+heap memory back to the kernel once 128 KiB lie free at its top, so every piece of
+every body is new memory: one page fault and one zeroed page per 4 KiB. With the mmap threshold at 32 MiB (glibc's maximum on
 64-bit) and the trim threshold at 1 GiB, freed pieces are reused instead. Measured with
 sequential 4.7 MB PUTs, disk only (``python -m bench.put_cpu``): the server's CPU time
 per PUT fell from ~13 ms to ~7 ms, most of it system time spent on page faults.

@@ -23,12 +23,11 @@
   whatever of its body came with it); once its first body bytes are in,
   ``_BodyReader``, an ``asyncio.BufferedProtocol``, takes the transport and the socket
   reads the rest straight into buffers of up to ``BODY_BUFFER_BYTES``, never past the
-  body's end.
-  The app gets each read as a ``memoryview`` of its buffer, one per ``receive`` as it
-  came, through the cycle (``_UploadCycle``). When the body is complete the HTTP
-  protocol takes the transport back, the request completes as llhttp would complete
-  it, and a fresh parser reads the next request. A body still arriving after its
-  answer (a refusal) goes back through the HTTP protocol, which counts it off.
+  body's end. The app gets each read as a ``memoryview`` of its buffer, one per
+  ``receive``, through the cycle (``_UploadCycle``). When the body is complete the
+  HTTP protocol takes the transport back, the request completes as llhttp would
+  complete it, and a fresh parser reads the next request. A body still arriving after
+  its answer (a refusal) goes back through the HTTP protocol, which counts it off.
 """
 
 from __future__ import annotations
@@ -89,8 +88,8 @@ class ECHttpToolsProtocol(HttpToolsProtocol):
     def body_read(self, piece: memoryview) -> None:
         """``_BodyReader``'s: ``piece`` of the body was read into its buffer."""
         cycle = self.cycle
-        if cycle.response_complete:  # answered early: what still comes is discarded
-            self._switch_protocol(self)  # by ``app.connections``' lingering close
+        if cycle.response_complete:  # answered early: the rest is the HTTP protocol's
+            self._switch_protocol(self)  # to discard (``app.connections`` lingers)
             self.data_received(bytes(piece))
             return
         self.on_body(piece)
