@@ -99,13 +99,19 @@ def head(length: int = 5) -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % length
 
 
-async def serve(app: Any, request: bytes) -> RecordingTransport:
+def start(app: Any) -> tuple[ECHttpToolsProtocol, RecordingTransport]:
     config = Config(app=app, access_log=False, server_header=False, date_header=False)
     config.load()
     protocol = ECHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
     transport = RecordingTransport()
+    transport.set_protocol(protocol)
     protocol.connection_made(transport)
-    protocol.data_received(request)
+    return protocol, transport
+
+
+async def serve(app: Any, request: bytes) -> RecordingTransport:
+    protocol, transport = start(app)
+    transport.deliver(request)
     for _ in range(100):
         await asyncio.sleep(0.001)
         if protocol.cycle is not None and protocol.cycle.response_complete:
@@ -175,16 +181,6 @@ async def feed(transport: RecordingTransport, pieces: list[bytes]) -> None:
     for piece in pieces:
         transport.deliver(piece)
         await asyncio.sleep(0.005)
-
-
-def start(app: Any) -> tuple[ECHttpToolsProtocol, RecordingTransport]:
-    config = Config(app=app, access_log=False, server_header=False, date_header=False)
-    config.load()
-    protocol = ECHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
-    transport = RecordingTransport()
-    transport.set_protocol(protocol)
-    protocol.connection_made(transport)
-    return protocol, transport
 
 
 async def test_an_upload_body_is_read_into_buffers_handed_to_the_app() -> None:
