@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import random
 import socket
 import time
 from pathlib import Path
@@ -467,3 +468,62 @@ def test_an_upload_read_in_many_pieces_then_the_next_request_on_its_connection(
     get_head, _, stored = rest[put_length:].partition(b"\r\n\r\n")
     assert get_head.startswith(b"HTTP/1.1 200 "), get_head
     assert stored == data
+
+
+#: Body sizes around the protocol's edges: tiny, a read buffer (1 MiB) and its
+#: neighbours, several buffers.
+_EDGE_SIZES = (1, 4096, 65_535, 1_048_575, 1_048_576, 1_048_577, 2_097_153, 3_000_001)
+
+
+def _split_responses(answers: bytes) -> list[tuple[int, bytes]]:
+    """Status and body of each Content-Length-framed response in ``answers``."""
+    found = []
+    while answers:
+        head, _, rest = answers.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        fields = dict(line.lower().split(b": ", 1) for line in lines[1:])
+        length = int(fields.get(b"content-length", b"0"))
+        found.append((int(lines[0].split()[1]), rest[:length]))
+        answers = rest[length:]
+    return found
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pipelined_uploads_cut_at_random_points_are_stored_exactly(
+    server: ServerProcess, seed: int
+) -> None:
+    """Several PUTs (some chunked) and GETs pipelined on one connection, the whole byte
+    stream cut at random points (inside heads, bodies and read-buffer boundaries) and
+    sent with pauses: every PUT is stored, every GET answers its bytes, in order."""
+    rng = random.Random(seed)
+    sizes = [rng.choice(_EDGE_SIZES) for _ in range(3)]
+    datas = [body((n,), "U8", 1, seed=seed * 10 + i) for i, n in enumerate(sizes)]
+    targets = [entry_url(f"pipelined-{seed}-{i}", "uint8") for i in range(len(datas))]
+    stream = b""
+    for target, data in zip(targets, datas, strict=True):
+        if rng.random() < 0.25:  # chunked: framed by llhttp, not counted off
+            stream += (
+                f"PUT {target} HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            )
+            for start in range(0, len(data), 300_000):
+                piece = data[start : start + 300_000]
+                stream += f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+            stream += b"0\r\n\r\n"
+        else:
+            head = f"PUT {target} HTTP/1.1\r\nHost: h\r\nContent-Length: {len(data)}\r\n\r\n"
+            stream += head.encode() + data
+    for i, target in enumerate(targets):
+        close = "Connection: close\r\n" if i == len(targets) - 1 else ""
+        stream += f"GET {target} HTTP/1.1\r\nHost: h\r\n{close}\r\n".encode()
+    cuts = sorted(rng.sample(range(1, len(stream)), 40))
+    answers = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+            sock.sendall(stream[start:end])
+            if rng.random() < 0.3:
+                time.sleep(0.002)
+        while chunk := sock.recv(1 << 20):
+            answers += chunk
+    responses = _split_responses(answers)
+    assert [status for status, _ in responses] == [201] * len(datas) + [200] * len(datas)
+    assert [stored for _, stored in responses[len(datas) :]] == datas
