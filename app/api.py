@@ -12,8 +12,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from app.auth import Authenticator, Principal, Scope
-from app.errors import InvalidKey, InvalidRequest
-from app.keys import validate_dtype, validate_hash, validate_model
+from app.errors import InvalidRequest
+from app.keys import HASH_RULE, first_invalid_hash, validate_dtype, validate_model
 from app.store import Store
 
 MAX_EXISTS_HASHES = 1000
@@ -70,12 +70,11 @@ async def exists_many(
 ) -> ExistsResponse:
     validate_model(model)
     validate_dtype(dtype)
-    for index, value in enumerate(request_body.hashes):
-        try:
-            validate_hash(value)
-        except InvalidKey as exc:
-            raise InvalidRequest(f"hashes[{index}]: {exc.message}", part="hashes") from None
-    return ExistsResponse(present=await store.exists_many(model, dtype, request_body.hashes))
+    hashes = request_body.hashes
+    index = first_invalid_hash(hashes)
+    if index is not None:
+        raise InvalidRequest(f"hashes[{index}]: {HASH_RULE}", part="hashes")
+    return ExistsResponse(present=await store.exists_many(model, dtype, hashes))
 
 
 @router.api_route("/healthz", methods=["GET", "HEAD"], summary="Liveness")

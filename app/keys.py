@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from app.errors import InvalidKey
@@ -19,6 +20,10 @@ MAX_HASH_CHARS = 256
 
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._@+\-]+")
 _HASH_RE = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
+#: ``_HASH_RE``'s characters, deleted from a batch of hashes to check them all at once.
+_HASH_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
+#: "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
+_DOT_SEGMENTS = frozenset((".", ".."))
 
 #: torch dtype name -> (safetensors dtype code, item size in bytes)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -59,20 +64,50 @@ def validate_dtype(dtype: str) -> str:
     return dtype
 
 
+HASH_RULE = (
+    f"hash must be 1-{MAX_HASH_CHARS} characters of letters, digits and . _ : - (not '.' or '..')"
+)
+
+
 def validate_hash(value: str) -> str:
-    # "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
-    if not _HASH_RE.fullmatch(value) or value in (".", ".."):
-        raise InvalidKey(
-            "hash",
-            f"hash must be 1-{MAX_HASH_CHARS} characters of letters, digits and . _ : - "
-            "(not '.' or '..')",
-        )
+    if not _HASH_RE.fullmatch(value) or value in _DOT_SEGMENTS:
+        raise InvalidKey("hash", HASH_RULE)
     return value
+
+
+def first_invalid_hash(values: Sequence[str]) -> int | None:
+    """The index of the first of ``values`` that :func:`validate_hash` refuses, or
+    ``None``. A batch of valid hashes (``POST .../_exists``) is checked in a few passes
+    over all of them together, each in C: a third of the time of a regular expression
+    match per hash."""
+    try:
+        odd_chars = "".join(values).encode("ascii").translate(None, _HASH_CHARS)
+    except UnicodeEncodeError:
+        odd_chars = b"?"
+    if (
+        not odd_chars
+        and min(map(len, values), default=1) > 0
+        and max(map(len, values), default=0) <= MAX_HASH_CHARS
+        and not _DOT_SEGMENTS.intersection(values)
+    ):
+        return None
+    return next(
+        index
+        for index, value in enumerate(values)
+        if not _HASH_RE.fullmatch(value) or value in _DOT_SEGMENTS
+    )
 
 
 def key_digest(model: str, dtype: str, hash: str) -> str:
     """The disk tier's name for a key (hashes may exceed NAME_MAX)."""
     return hashlib.sha256(f"{model}/{dtype}/{hash}".encode()).hexdigest()
+
+
+def key_digests(model: str, dtype: str, hashes: Sequence[str]) -> list[str]:
+    """:func:`key_digest` of each of ``hashes`` (of one model and dtype), with the
+    common prefix encoded once."""
+    sha256, prefix = hashlib.sha256, f"{model}/{dtype}/"
+    return [sha256((prefix + hash).encode()).hexdigest() for hash in hashes]
 
 
 @dataclass(frozen=True)

@@ -175,9 +175,13 @@ def exists_batches(
     raises ``ConnectError``."""
     groups: dict[str, list[int]] = {}
     for i in pending:
-        url = next((u for u in orders[i] if u not in dead), None)
-        if url is None:
-            raise ConnectError(f"no replica reachable: {', '.join(sorted(dead))}", url=orders[i][0])
+        order = orders[i]
+        url = order[0]
+        if url in dead:
+            live = next((u for u in order if u not in dead), None)
+            if live is None:
+                raise ConnectError(f"no replica reachable: {', '.join(sorted(dead))}", url=url)
+            url = live
         groups.setdefault(url, []).append(i)
     return [
         (url, indices[start : start + EXISTS_BATCH])

@@ -10,12 +10,14 @@ accept a trailing newline.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 __all__ = [
     "DTYPE_NAMES",
     "MAX_HASH_CHARS",
     "MAX_MODEL_BYTES",
     "hash_error",
+    "hashes_error",
     "model_error",
     "segment_ok",
 ]
@@ -41,6 +43,10 @@ DTYPE_NAMES = (
 
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._@+\-]+")
 _HASH_RE = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
+#: ``_HASH_RE``'s characters, deleted from a batch of hashes to check them all at once.
+_HASH_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
+#: "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
+_DOT_SEGMENTS = frozenset((".", ".."))
 
 
 def segment_ok(segment: str) -> bool:
@@ -66,10 +72,32 @@ def model_error(model: object) -> str | None:
 
 def hash_error(value: object) -> str | None:
     """Why ``value`` is not a valid ``{hash}`` path part, or ``None`` when it is."""
-    # "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
-    if not isinstance(value, str) or _HASH_RE.fullmatch(value) is None or value in (".", ".."):
+    if not isinstance(value, str) or _HASH_RE.fullmatch(value) is None or value in _DOT_SEGMENTS:
         return (
             f"hash {value!r} is not 1-{MAX_HASH_CHARS} characters of letters, digits, . _ : - "
             "(and not '.' or '..')"
         )
+    return None
+
+
+def hashes_error(values: Sequence[str]) -> str | None:
+    """Why the first invalid one of ``values`` is not a valid hash (with its index), or
+    ``None`` when all are valid. A batch of valid hashes (``exists_many``) is checked in
+    a few passes over all of them together, each in C: a third of the time of
+    :func:`hash_error` on each. A value that is not a string is reported too."""
+    try:
+        odd_chars = "".join(values).encode("ascii").translate(None, _HASH_CHARS)
+    except (TypeError, UnicodeEncodeError):  # not strings, or not ASCII: found below
+        odd_chars = b"?"
+    if (
+        not odd_chars
+        and min(map(len, values), default=1) > 0
+        and max(map(len, values), default=0) <= MAX_HASH_CHARS
+        and not _DOT_SEGMENTS.intersection(values)
+    ):
+        return None
+    for index, value in enumerate(values):
+        error = hash_error(value)
+        if error is not None:
+            return f"hashes[{index}]: {error}"
     return None

@@ -17,13 +17,14 @@ import math
 import re
 import struct
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ._exceptions import IntegrityError, InvalidKeyError, InvalidTensorError
-from ._keys import DTYPE_NAMES, hash_error, model_error
+from ._keys import DTYPE_NAMES, hash_error, hashes_error, model_error
 
 __all__ = [
     "DTYPES",
@@ -99,6 +100,15 @@ def check_hash(value: str) -> str:
     if error is not None:
         raise InvalidKeyError(error)
     return value
+
+
+def check_hashes(values: Iterable[str]) -> list[str]:
+    """``values`` as a list, each checked as by :func:`check_hash`."""
+    hashes = list(values)
+    error = hashes_error(hashes)
+    if error is not None:
+        raise InvalidKeyError(error)
+    return hashes
 
 
 @dataclass(frozen=True, slots=True)

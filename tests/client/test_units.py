@@ -445,6 +445,14 @@ def test_rendezvous_is_stable_and_spreads() -> None:
     assert all(800 < c < 1200 for c in counts.values()), counts
 
 
+def test_orders_of_many_keys_are_each_keys_order() -> None:
+    hashes = [f"h{i}" for i in range(50)]
+    for urls in (["http://a:1"], ["http://a:1", "http://b:1", "http://c:1"]):
+        router = Router(urls)
+        assert router.orders("m", "f", hashes) == [router.order("m", "f", h) for h in hashes]
+        assert router.orders("m", "f", []) == []
+
+
 def test_rendezvous_moves_only_the_removed_replicas_keys() -> None:
     urls = [f"http://h{i}:1" for i in range(5)]
     full, less = Router(urls), Router(urls[:-1])

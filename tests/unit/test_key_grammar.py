@@ -10,13 +10,20 @@ from typing import Any
 import pytest
 from ec_cache import InvalidKeyError
 from ec_cache._tensors import DTYPES as SDK_DTYPES
-from ec_cache._tensors import check_hash, check_model, parse_dtype
+from ec_cache._tensors import check_hash, check_hashes, check_model, parse_dtype
 from ec_cache._vllm.config import check_model_namespace
 from ec_cache._vllm.state import cache_key
 
 from app.errors import InvalidKey
 from app.keys import DTYPES as SERVER_DTYPES
-from app.keys import validate_dtype, validate_hash, validate_model
+from app.keys import (
+    first_invalid_hash,
+    key_digest,
+    key_digests,
+    validate_dtype,
+    validate_hash,
+    validate_model,
+)
 
 TABLE: dict[str, Any] = json.loads(
     (Path(__file__).parent.parent / "data" / "keys.json").read_text()
@@ -92,3 +99,28 @@ def test_invalid_hash(value: str) -> None:
     key = cache_key(value)  # the connector maps it onto a valid one
     assert key != value and key.startswith("sha256:")
     assert validate_hash(key) == key and check_hash(key) == key
+
+
+def test_a_batch_of_valid_hashes() -> None:
+    """The batch checks (``POST .../_exists``, ``exists_many``) take what the single
+    ones take; the batch digests are the single ones."""
+    valid = TABLE["hash"]["valid"]
+    assert first_invalid_hash(valid) is None and first_invalid_hash([]) is None
+    assert check_hashes(iter(valid)) == valid and check_hashes([]) == []
+    assert key_digests("m/x", "uint8", valid) == [key_digest("m/x", "uint8", h) for h in valid]
+
+
+@pytest.mark.parametrize("value", _cases("hash", "invalid"))
+def test_an_invalid_hash_in_a_batch(value: str) -> None:
+    """Anywhere among valid ones, the batch checks find it (and the first of several)."""
+    valid = TABLE["hash"]["valid"]
+    for at in (0, 5, len(valid)):
+        batch = [*valid[:at], value, *valid[at:], value]
+        assert first_invalid_hash(batch) == at
+        with pytest.raises(InvalidKeyError, match=rf"^hashes\[{at}\]: hash "):
+            check_hashes(batch)
+
+
+def test_a_value_that_is_not_a_string_in_a_batch() -> None:
+    with pytest.raises(InvalidKeyError, match=r"^hashes\[1\]: hash 7 "):
+        check_hashes(["a", 7, "b"])  # type: ignore[list-item]

@@ -16,7 +16,7 @@ from .._backends import Mapper, sleep
 from .._config import Limits, Retries, Timeouts
 from .._core import ClientBase, Device, Progress, Receiver, RetryableStatus
 from .._exceptions import ConnectError, ECCacheError, IntegrityError, TransportError
-from .._tensors import EntryInfo, check_hash
+from .._tensors import EntryInfo, check_hashes
 from .transport import Outgoing, ResponseBody, Transport
 
 __all__ = ["Client"]
@@ -197,8 +197,8 @@ class Client(ClientBase):
     def exists_many(self, hashes: Iterable[str]) -> list[bool]:
         """Existence of many hashes, in order: one ``POST .../_exists`` per replica and
         per 1000 hashes, the replicas asked at once."""
-        hashes = [check_hash(h) for h in hashes]
-        orders = [self._order(h) for h in hashes]
+        hashes = check_hashes(hashes)
+        orders = self.router.orders(self.model, self.dtype, hashes)
         present = [False] * len(hashes)
         pending, dead = list(range(len(hashes))), set[str]()
 
