@@ -7,6 +7,7 @@ The I/O is written once, as asyncio code, in :mod:`ec_cache._async`;
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -542,9 +543,12 @@ def check_body_end(extra: int) -> None:
         raise IntegrityError("body is longer than its safetensors header describes")
 
 
-def json_body(resp_content: bytes, url: str) -> Any:
-    import json
+def exists_body(hashes: Sequence[str]) -> bytes:
+    """The body of ``POST .../_exists``."""
+    return json.dumps({"hashes": hashes}, separators=(",", ":")).encode()
 
+
+def json_body(resp_content: bytes, url: str) -> Any:
     try:
         return json.loads(resp_content)
     except ValueError:

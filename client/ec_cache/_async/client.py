@@ -301,8 +301,11 @@ class AsyncClient(ClientBase):
         await self.aclose()
 
     # -- internals ------------------------------------------------------------------
-    async def _send(self, method: str, url: str, path: str) -> httpx.Response:
-        """``method url+path`` with the client's headers and timeouts, streamed.
+    async def _send(
+        self, method: str, url: str, path: str, json_body: bytes | None = None
+    ) -> httpx.Response:
+        """``method url+path`` with the client's headers and timeouts, streamed;
+        ``json_body``, if given, is sent as ``application/json``.
 
         With the SDK's transport the request goes to it directly: building an
         ``httpx.Request`` (URL parsing, header merging) and ``httpx.Client.send``
@@ -311,20 +314,37 @@ class AsyncClient(ClientBase):
         exceptions; no ``response.request``."""
         route = self._routes.get(url)
         if route is None or self._transport is None or self._http.is_closed:
-            request = self._http.build_request(method, url + path)
+            json_type = None if json_body is None else {"Content-Type": "application/json"}
+            request = self._http.build_request(
+                method, url + path, content=json_body, headers=json_type
+            )
             return await self._http.send(request, stream=True)
-        out = Outgoing(method.encode(), route.target(path), route.headers, None, None)
+        headers, stream = route.headers, None
+        if json_body is not None:
+            length = str(len(json_body)).encode()
+            headers = [
+                *headers,
+                (b"Content-Type", b"application/json"),
+                (b"Content-Length", length),
+            ]
+            stream = httpx.ByteStream(json_body)
+        out = Outgoing(method.encode(), route.target(path), headers, stream, None)
         response = await self._transport.send(route.key, out, self._timeouts)
         _core.log_response(method, url + path, response)
         return response
 
     async def _exists_batch(self, order: list[str], batch: list[str]) -> list[bool]:
         path = self._exists_path()
+        request_body = _core.exists_body(batch)
 
         async def op(url: str) -> list[bool]:
-            response = await self._http.post(url + path, json={"hashes": batch})
+            response = await self._send("POST", url, path, request_body)
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
             if response.status_code == 200:
-                present = _core.json_body(response.content, url)
+                present = _core.json_body(content, url)
                 present = present.get("present") if isinstance(present, dict) else None
                 if not isinstance(present, list) or len(present) != len(batch):
                     raise TransportError(f"{url}: malformed _exists answer", url=url)
