@@ -16,7 +16,7 @@ from app.api import router
 from app.auth import AnonymousAccess, Authenticator, load_tokens
 from app.entries import EntryRoutes
 from app.error_responses import ec_error_response, error_response, internal_error_response
-from app.errors import ECError
+from app.errors import BodyTooLarge, ECError
 from app.metrics import Metrics
 from app.middleware import EdgeMiddleware
 from app.namespaces_api import router as namespaces_router
@@ -43,7 +43,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    codes = {404: "not_found", 405: "method_not_allowed"}
+    codes = {404: "not_found", 405: "method_not_allowed", 413: BodyTooLarge.code}
     return error_response(
         request,
         exc.status_code,

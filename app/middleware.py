@@ -11,8 +11,10 @@ import os
 import re
 import time
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.errors import BodyTooLarge
 from app.metrics import Metrics
 from app.settings import Settings
 
@@ -20,6 +22,9 @@ access_log = logging.getLogger("app.access")
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_TARGET_BYTES = 2048
+#: The body of any request but an upload (a PUT to ``/ec/``): JSON that its route reads
+#: whole into memory (a batch exists of 1000 hashes of 256 characters is about 260 KB).
+MAX_SMALL_BODY_BYTES = 1024 * 1024
 
 
 async def _reject(send: Send, status: int, code: str, message: str, retry_after: int = 0) -> None:
@@ -40,8 +45,10 @@ class EdgeMiddleware:
     closure and an await per message, and the small requests are measured against a
     raw ASGI floor):
 
-    * admission: oversized headers (431) or targets (414) never reach the app, and
-      entry transfers beyond the concurrency caps get 503 + Retry-After, never a queue;
+    * admission: oversized headers (431) or targets (414) never reach the app, nor
+      does a body other than an upload's past ``MAX_SMALL_BODY_BYTES`` (413, up front
+      for its ``Content-Length``, else once that much came in), and entry transfers
+      beyond the concurrency caps get 503 + Retry-After, never a queue;
     * a request id (the client's ``X-Request-ID`` when sane), echoed in the response;
     * the ``ec_http_requests_total`` and ``ec_http_request_duration_seconds`` series;
     * one access line when the response is done. Like nginx's
@@ -63,11 +70,15 @@ class EdgeMiddleware:
             return
         start = time.perf_counter()
         incoming = ""
-        header_bytes = 0
+        header_bytes = declared = 0
         for name, value in scope["headers"]:
             header_bytes += len(name) + len(value) + 4
             if name == b"x-request-id":
                 incoming = value.decode("latin-1")
+            elif name == b"content-length":  # checked by the HTTP parser
+                declared = int(value)
+        upload = scope["method"] == "PUT" and scope["path"].startswith("/ec/")
+        body_limit = None if upload else MAX_SMALL_BODY_BYTES
         request_id = incoming if _REQUEST_ID_RE.fullmatch(incoming) else os.urandom(16).hex()
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
@@ -79,6 +90,10 @@ class EdgeMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                if body_limit is not None and received > body_limit:
+                    # An HTTPException, which FastAPI's body parsing lets through (it
+                    # turns any other error into a 400), as Starlette's own body limit.
+                    raise HTTPException(413, f"request body exceeds {body_limit} bytes")
             return message
 
         async def send_with_id(message: Message) -> None:
@@ -94,11 +109,14 @@ class EdgeMiddleware:
             await send(message)
 
         try:
-            await self._admit(scope, receive_counted, send_with_id, header_bytes)
+            too_large = body_limit is not None and declared > body_limit
+            await self._admit(scope, receive_counted, send_with_id, header_bytes, too_large)
         finally:
             self._record(scope, status, sent, received, time.perf_counter() - start)
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send, header_bytes: int) -> None:
+    async def _admit(
+        self, scope: Scope, receive: Receive, send: Send, header_bytes: int, too_large: bool
+    ) -> None:
         settings = self.settings
         if header_bytes > settings.max_header_bytes:
             message = f"request headers exceed {settings.max_header_bytes} bytes"
@@ -107,6 +125,10 @@ class EdgeMiddleware:
         if len(scope.get("raw_path") or b"") + len(scope["query_string"]) > MAX_TARGET_BYTES:
             message = f"request target exceeds {MAX_TARGET_BYTES} bytes"
             await _reject(send, 414, "uri_too_long", message)
+            return
+        if too_large:  # by its Content-Length: refused before any of it is read
+            message = f"request body exceeds {MAX_SMALL_BODY_BYTES} bytes"
+            await _reject(send, 413, BodyTooLarge.code, message)
             return
         method = scope["method"]
         if method == "GET" and scope["path"].startswith("/ec/"):

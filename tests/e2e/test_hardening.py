@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -206,6 +207,32 @@ def test_oversized_headers_and_targets(server: ServerProcess) -> None:
     long_target = rawhttp.request(server.port, "GET", "/ec/m/uint8/" + "h" * 3000)
     assert long_target.status == 414
     assert long_target.json()["error"] == "uri_too_long"
+
+
+@pytest.mark.parametrize("path", ["/ec/m/uint8/_exists", "/namespaces/purge"])
+def test_oversized_json_bodies_are_refused_not_buffered(server: ServerProcess, path: str) -> None:
+    """A body other than an upload's is read whole by its route: past 1 MiB it is
+    refused, up front for its Content-Length, else as soon as that much has come in
+    (a chunked body of 8 MiB gets its 413 and the connection is closed)."""
+    declared = rawhttp.request(
+        server.port,
+        "POST",
+        path,
+        {"Content-Type": "application/json", "Content-Length": str(400_000_000)},
+        send_body=False,
+    )
+    assert (declared.status, declared.json()["error"]) == (413, "body_too_large")
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    piece = b"100000\r\n" + b" " * 0x100000 + b"\r\n"  # chunks of 1 MiB of whitespace
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        with contextlib.suppress(OSError):  # the server closes once it has answered
+            for _ in range(8):
+                sock.sendall(piece)
+        chunked = rawhttp._read_response(sock)
+    assert (chunked.status, chunked.json()["error"]) == (413, "body_too_large")
+    small = httpx.post(f"{server.url}/ec/m/uint8/_exists", json={"hashes": ["a"] * 1000})
+    assert small.json() == {"present": [False] * 1000}
 
 
 def _open_upload(port: int, path: str, declared: int, first: bytes) -> socket.socket:
