@@ -1,5 +1,6 @@
-"""FastAPI routes besides the entries (``app.entries``): batch existence, health,
-readiness, metrics and stats; thin functions over the store, errors mapped in ``main``."""
+"""FastAPI routes besides the entries and the batch existence check (``app.entries``):
+health, readiness, metrics and stats; thin functions over the store, errors mapped in
+``main``."""
 
 from __future__ import annotations
 
@@ -9,14 +10,9 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
 
 from app.auth import Authenticator, Principal, Scope
-from app.errors import InvalidRequest
-from app.keys import HASH_RULE, first_invalid_hash, validate_dtype, validate_model
 from app.store import Store
-
-MAX_EXISTS_HASHES = 1000
 
 
 async def get_store(request: Request) -> Store:
@@ -49,32 +45,6 @@ StoreDep = Annotated[Store, Depends(get_store)]
 # pool, one thread hop each per request.
 
 router = APIRouter(redirect_slashes=False)
-
-
-class ExistsRequest(BaseModel):
-    hashes: list[str] = Field(max_length=MAX_EXISTS_HASHES)
-
-
-class ExistsResponse(BaseModel):
-    present: list[bool]
-
-
-@router.post(
-    "/ec/{model:path}/{dtype}/_exists",
-    dependencies=[CanRead],
-    summary="Batch existence check",
-    response_model=ExistsResponse,
-)
-async def exists_many(
-    model: str, dtype: str, request_body: ExistsRequest, store: StoreDep
-) -> ExistsResponse:
-    validate_model(model)
-    validate_dtype(dtype)
-    hashes = request_body.hashes
-    index = first_invalid_hash(hashes)
-    if index is not None:
-        raise InvalidRequest(f"hashes[{index}]: {HASH_RULE}", part="hashes")
-    return ExistsResponse(present=await store.exists_many(model, dtype, hashes))
 
 
 @router.api_route("/healthz", methods=["GET", "HEAD"], summary="Liveness")

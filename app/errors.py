@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 
 class ECError(Exception):
     """Base class: an HTTP status, a stable machine code and the part that was wrong."""
@@ -49,6 +52,15 @@ class ChecksumMismatch(InvalidBody):
 class InvalidRequest(ECError):
     status_code = 400
     code = "invalid_request"
+
+    @classmethod
+    def from_validation(cls, errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
+        """The first of pydantic's (or FastAPI's) validation ``errors``: its location
+        (without FastAPI's ``body``) names the part."""
+        first = errors[0] if errors else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(location) or 'request'}: {first.get('msg', 'invalid request')}"
+        return cls(message, part=location[0] if location else None)
 
 
 class NotFound(ECError):

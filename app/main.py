@@ -16,7 +16,7 @@ from app.api import router
 from app.auth import AnonymousAccess, Authenticator, load_tokens
 from app.entries import EntryRoutes
 from app.error_responses import ec_error_response, error_response, internal_error_response
-from app.errors import BodyTooLarge, ECError
+from app.errors import BodyTooLarge, ECError, InvalidRequest
 from app.metrics import Metrics
 from app.middleware import EdgeMiddleware
 from app.namespaces_api import router as namespaces_router
@@ -34,11 +34,8 @@ async def _ec_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0] if exc.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    part = location[0] if location else None
-    message = f"{'.'.join(location) or 'request'}: {first.get('msg', 'invalid request')}"
-    return error_response(request, 400, "invalid_request", message, part)
+    error = InvalidRequest.from_validation(exc.errors())
+    return error_response(request, 400, error.code, error.message, error.part)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

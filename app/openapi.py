@@ -1,8 +1,8 @@
-"""The OpenAPI document: FastAPI's, plus the entry operations of ``app.entries``.
+"""The OpenAPI document: FastAPI's, plus the operations of ``app.entries``.
 
-The entry route is a plain Starlette route (see ``app.entries`` for why), which FastAPI
-does not describe, so its four operations are declared here, the way FastAPI's docs
-extend a schema. The fuzz tests (``tests/e2e/test_fuzz.py``) run requests generated
+The entry routes are served ahead of FastAPI (see ``app.entries`` for why), which
+therefore does not describe them, so their operations (the four of an entry, and the
+batch existence check) are declared here, the way FastAPI's docs extend a schema. The fuzz tests (``tests/e2e/test_fuzz.py``) run requests generated
 from this document against a real server.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.entries import PutResponse
+from app.entries import MAX_EXISTS_HASHES, ExistsRequest, ExistsResponse, PutResponse
 
 ENTRY_DOC = (
     "`model` may contain `/` (plain or `%2F`); `dtype` is a torch dtype name; `hash` is "
@@ -47,10 +47,12 @@ _ENTRY_HEADERS = {
 }
 
 
-def _parameters(*headers: tuple[str, str]) -> list[dict[str, Any]]:
+def _parameters(
+    *headers: tuple[str, str], path_names: tuple[str, ...] = ("model", "dtype", "hash")
+) -> list[dict[str, Any]]:
     path = [
         {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-        for name in ("model", "dtype", "hash")
+        for name in path_names
     ]
     return path + [
         {"name": name, "in": "header", "required": False, "description": text,
@@ -127,18 +129,53 @@ def entry_operations() -> dict[str, Any]:
     }
 
 
+def exists_operations() -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": "Batch existence check",
+            "description": f"Which of up to {MAX_EXISTS_HASHES} hashes are stored under "
+            "`model` and `dtype`, in the order asked; a 400 names the first invalid hash "
+            "by its index.",
+            "operationId": "exists_many",
+            "parameters": _parameters(path_names=("model", "dtype")),
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ExistsRequest"}}
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "presence of each hash, in order",
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/ExistsResponse"}
+                        }
+                    },
+                },
+                **_errors(408, 413, 502, 503),
+            },
+        }
+    }
+
+
 def openapi_builder(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """``app.openapi``: FastAPI's document with the entry path first; built once."""
+    """``app.openapi``: FastAPI's document with the entry paths first; built once."""
 
     def build() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title, version=app.version, summary=app.summary, routes=app.routes
             )
-            schema["paths"] = {"/ec/{model}/{dtype}/{hash}": entry_operations(), **schema["paths"]}
+            schema["paths"] = {
+                "/ec/{model}/{dtype}/{hash}": entry_operations(),
+                "/ec/{model}/{dtype}/_exists": exists_operations(),
+                **schema["paths"],
+            }
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
             schemas["Error"] = _ERROR_SCHEMA
-            schemas["PutResponse"] = PutResponse.model_json_schema()
+            for model in (PutResponse, ExistsRequest, ExistsResponse):
+                schemas[model.__name__] = model.model_json_schema()
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -18,6 +18,7 @@ from tests.support.entries import body, crc_hex
 from tests.support.server import ServerProcess
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+JSON = {"Content-Type": "application/json"}
 
 
 def entry_url(hash: str, dtype: str = "bfloat16", model: str = MODEL) -> str:
@@ -320,8 +321,19 @@ def test_batch_exists(client: httpx.Client) -> None:
     bad = client.post(url, json={"hashes": ["ok", "not/ok"]})
     assert bad.status_code == 400
     assert "hashes[1]" in bad.json()["message"]
-    assert client.post(url, content=b"{nope").status_code == 400
+    assert client.post(url, content=b"{nope", headers=JSON).json()["error"] == "invalid_request"
+    assert client.post(url, json={"hash": ["ex1"]}).json()["part"] == "hashes"
+    assert client.post(url, json={"hashes": "ex1"}).json()["part"] == "hashes"
+    not_json = client.post(url, content=b'{"hashes": []}', headers={"Content-Type": "text/plain"})
+    assert (not_json.status_code, not_json.json()["error"]) == (400, "invalid_request")
+    with_charset = {"Content-Type": "application/json; charset=utf-8"}
+    assert client.post(url, content=b'{"hashes":["ex3"]}', headers=with_charset).json() == {
+        "present": [True]
+    }
     assert client.post(f"/ec/{MODEL}/float/_exists", json={"hashes": []}).json()["part"] == "dtype"
+    assert client.get(url).status_code == 404  # any other method: an entry named "_exists"
+    operation = client.get("/openapi.json").json()["paths"]["/ec/{model}/{dtype}/_exists"]
+    assert {"200", "400", "413"} <= set(operation["post"]["responses"])
 
 
 def test_health_readiness_docs_and_stats(client: httpx.Client) -> None:
