@@ -2,8 +2,9 @@
 
 The entry routes are served ahead of FastAPI (see ``app.entries`` for why), which
 therefore does not describe them, so their operations (the four of an entry, and the
-batch existence check) are declared here, the way FastAPI's docs extend a schema. The fuzz tests (``tests/e2e/test_fuzz.py``) run requests generated
-from this document against a real server.
+batch existence check) are declared here, the way FastAPI's docs extend a schema. The
+fuzz tests (``tests/e2e/test_fuzz.py``) run requests generated from this document
+against a real server.
 """
 
 from __future__ import annotations
