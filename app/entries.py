@@ -195,7 +195,7 @@ class EntryRoutes:
         if index is not None:
             raise InvalidRequest(f"hashes[{index}]: {HASH_RULE}", part="hashes")
         present = await self.store.exists_many(model, dtype, hashes)
-        return JSONResponse(ExistsResponse(present=present).model_dump())
+        return JSONResponse({"present": present})  # as ExistsResponse describes it
 
     async def get(self, request: Request, key: EntryKey) -> Response:
         store = self.store

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,9 +20,9 @@ MAX_MODEL_BYTES = 256
 MAX_HASH_CHARS = 256
 
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._@+\-]+")
-_HASH_RE = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
-#: ``_HASH_RE``'s characters, deleted from a batch of hashes to check them all at once.
-_HASH_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
+#: A hash's characters: the pattern below, and what a batch's check deletes.
+_HASH_CHARS = (string.ascii_letters + string.digits + "._:-").encode()
+_HASH_RE = re.compile(f"[{re.escape(_HASH_CHARS.decode())}]{{1,{MAX_HASH_CHARS}}}")
 #: "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
 _DOT_SEGMENTS = frozenset((".", ".."))
 
@@ -69,8 +70,12 @@ HASH_RULE = (
 )
 
 
+def _is_hash(value: str) -> bool:
+    return _HASH_RE.fullmatch(value) is not None and value not in _DOT_SEGMENTS
+
+
 def validate_hash(value: str) -> str:
-    if not _HASH_RE.fullmatch(value) or value in _DOT_SEGMENTS:
+    if not _is_hash(value):
         raise InvalidKey("hash", HASH_RULE)
     return value
 
@@ -91,11 +96,7 @@ def first_invalid_hash(values: Sequence[str]) -> int | None:
         and not _DOT_SEGMENTS.intersection(values)
     ):
         return None
-    return next(
-        index
-        for index, value in enumerate(values)
-        if not _HASH_RE.fullmatch(value) or value in _DOT_SEGMENTS
-    )
+    return next(index for index, value in enumerate(values) if not _is_hash(value))
 
 
 def key_digest(model: str, dtype: str, hash: str) -> str:

@@ -10,6 +10,7 @@ accept a trailing newline.
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Sequence
 
 __all__ = [
@@ -42,9 +43,9 @@ DTYPE_NAMES = (
 )
 
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._@+\-]+")
-_HASH_RE = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
-#: ``_HASH_RE``'s characters, deleted from a batch of hashes to check them all at once.
-_HASH_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
+#: A hash's characters: the pattern below, and what a batch's check deletes.
+_HASH_CHARS = (string.ascii_letters + string.digits + "._:-").encode()
+_HASH_RE = re.compile(f"[{re.escape(_HASH_CHARS.decode())}]{{1,{MAX_HASH_CHARS}}}")
 #: "." and ".." are dot segments: every URL parser (httpx, curl) removes them.
 _DOT_SEGMENTS = frozenset((".", ".."))
 
