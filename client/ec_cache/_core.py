@@ -543,9 +543,11 @@ def check_body_end(extra: int) -> None:
         raise IntegrityError("body is longer than its safetensors header describes")
 
 
-def exists_body(hashes: Sequence[str]) -> bytes:
-    """The body of ``POST .../_exists``."""
-    return json.dumps({"hashes": hashes}, separators=(",", ":")).encode()
+def exists_body(hashes: Sequence[str]) -> tuple[httpx.ByteStream, dict[str, str]]:
+    """The body of ``POST .../_exists`` and its headers (re-iterable, for a resend)."""
+    content = json.dumps({"hashes": hashes}, separators=(",", ":")).encode()
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(content))}
+    return httpx.ByteStream(content), headers
 
 
 def json_body(resp_content: bytes, url: str) -> Any:

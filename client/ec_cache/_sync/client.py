@@ -98,7 +98,7 @@ class Client(ClientBase):
         )
         _core.without_cookies(self._http)
         self._mapper = Mapper(self.limits.concurrency)
-        # GET and HEAD go straight to the SDK's transport (see ``_send``)
+        # requests go straight to the SDK's transport (see ``_send``)
         self._transport = transport if isinstance(transport, Transport) else None
         self._routes = _core.direct_routes(self._http, self.router.urls) if self._transport else {}
         self._timeouts = self._timeout().as_dict()
@@ -131,14 +131,17 @@ class Client(ClientBase):
         try:
 
             def op(url: str) -> bool:
-                request = self._http.build_request("PUT", url + path, headers=headers)
-                request.stream = body
-                response = self._http.send(request)
-                if response.status_code in (200, 201):
-                    return response.status_code == 201
-                if response.status_code == 412 and conditional:
-                    return False  # already present
-                raise self._error(response, url)
+                response = self._send("PUT", url, path, body, headers)
+                try:
+                    if response.status_code in (200, 201):
+                        response.read()  # the connection goes back to the pool
+                        return response.status_code == 201
+                    if response.status_code == 412 and conditional:
+                        response.read()
+                        return False  # already present
+                    raise self._error(response, url)
+                finally:
+                    response.close()
 
             return self._call(self._order(hash), op, resend=self.retries.retry_put)
         finally:
@@ -303,10 +306,16 @@ class Client(ClientBase):
 
     # -- internals ------------------------------------------------------------------
     def _send(
-        self, method: str, url: str, path: str, json_body: bytes | None = None
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: httpx.SyncByteStream | None = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """``method url+path`` with the client's headers and timeouts, streamed;
-        ``json_body``, if given, is sent as ``application/json``.
+        ``body`` and its ``headers`` (its Content-Length among them), if given, are
+        sent with it.
 
         With the SDK's transport the request goes to it directly: building an
         ``httpx.Request`` (URL parsing, header merging) and ``httpx.Client.send``
@@ -315,21 +324,14 @@ class Client(ClientBase):
         exceptions; no ``response.request``."""
         route = self._routes.get(url)
         if route is None or self._transport is None or self._http.is_closed:
-            json_type = None if json_body is None else {"Content-Type": "application/json"}
-            request = self._http.build_request(
-                method, url + path, content=json_body, headers=json_type
-            )
+            request = self._http.build_request(method, url + path, headers=headers)
+            if body is not None:
+                request.stream = body
             return self._http.send(request, stream=True)
-        headers, stream = route.headers, None
-        if json_body is not None:
-            length = str(len(json_body)).encode()
-            headers = [
-                *headers,
-                (b"Content-Type", b"application/json"),
-                (b"Content-Length", length),
-            ]
-            stream = httpx.ByteStream(json_body)
-        out = Outgoing(method.encode(), route.target(path), headers, stream, None)
+        fields = route.headers
+        if headers:
+            fields = [*fields, *((k.encode(), v.encode()) for k, v in headers.items())]
+        out = Outgoing(method.encode(), route.target(path), fields, body, None)
         response = self._transport.send(route.key, out, self._timeouts)
         _core.log_response(method, url + path, response)
         return response
@@ -339,7 +341,7 @@ class Client(ClientBase):
         request_body = _core.exists_body(batch)
 
         def op(url: str) -> list[bool]:
-            response = self._send("POST", url, path, request_body)
+            response = self._send("POST", url, path, *request_body)
             try:
                 content = response.read()
             finally:

@@ -26,7 +26,7 @@ timeouts, event hooks) and:
   requests per replica are in flight; the next one waits up to the ``pool`` timeout.
 
 ``send(key, Outgoing, timeouts)`` is the same exchange without an ``httpx.Request``:
-the clients' GET and HEAD use it, ``handle_request`` adapts httpx's requests to it.
+the clients' own requests use it, ``handle_request`` adapts httpx's requests to it.
 
 ``http://`` only; the clients use httpx's stock transport for ``https://``.
 """
@@ -69,7 +69,7 @@ class _Closed(ConnectionResetError):
 class Outgoing:
     """One request as the transport sends it: what ``handle_request`` takes
     from an ``httpx.Request``, or what :meth:`Transport.send` is given directly
-    (the clients' GET and HEAD, which skip building an ``httpx.Request``).
+    (the clients' own requests, which skip building an ``httpx.Request``).
     ``request`` is the ``httpx.Request`` named by exceptions, when there is one."""
 
     __slots__ = ("expect", "headers", "method", "request", "stream", "target")
