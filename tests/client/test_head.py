@@ -1,8 +1,10 @@
-"""``ec_cache._head.parse_plain_head`` against h11: whatever head it accepts, h11 accepts
-too and reads the same way (status, reason, headers, where the body starts and how
-long it is); what it declines goes to h11. Property-based over heads built from valid
-and hostile pieces, and on the real heads of an ec-cache server (which it must accept:
-that is the fast path)."""
+"""``ec_cache._head`` against h11. ``parse_plain_head``: whatever head it accepts, h11
+accepts too and reads the same way (status, reason, headers, where the body starts and
+how long it is); what it declines goes to h11. ``plain_request_head``: whatever request
+it writes, h11 writes the same bytes and is then done with the request, ready for the
+answer, as after sending it itself. Property-based over heads built from valid and
+hostile pieces, and on the real heads of an ec-cache server and its SDK (which must be
+plain: that is the fast path)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import socket
 
 import ec_cache
 import h11
+import httpx
 import pytest
 import torch
-from ec_cache._head import PlainHead, parse_plain_head
+from ec_cache._core import direct_routes
+from ec_cache._head import PlainHead, parse_plain_head, plain_request_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -199,3 +203,108 @@ def test_an_ec_cache_servers_answers_are_plain(server: ServerProcess, method: by
         assert plain is not None, data[:300]
         assert_same_reading(plain, data, method)
         assert plain.body_start + plain.body_length == len(data)
+
+
+REQUEST_FIELDS = [
+    (b"Accept", b"*/*"),
+    (b"Accept-Encoding", b"gzip, deflate"),
+    (b"Connection", b"keep-alive"),
+    (b"Connection", b"close"),
+    (b"Connection", b"Keep-Alive, Upgrade"),
+    (b"User-Agent", b"python-httpx/0.28"),
+    (b"Authorization", b"Bearer t0k3n"),
+    (b"X-Empty", b""),
+    (b"X-Obs", b"\x80\xff"),
+    (b"Host", b"second"),
+    (b"content-length", b"0"),
+    (b"Transfer-Encoding", b"chunked"),
+    (b"Expect", b"100-continue"),
+    (b"Upgrade", b"h2c"),
+    (b"Bad Name", b"x"),
+    (b"", b"x"),
+    (b"X-Inject", b"a\r\nX-Evil: 1"),
+    (b"X-Inject", b"a\nb"),
+    (b"X-Nul", b"a\x00b"),
+    (b"X-Ctl", b"a\x01b"),
+    (b"X-Space", b" padded "),
+    (b"X-Tab", b"a\tb"),
+]
+
+
+def h11_writing(
+    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]
+) -> tuple[bytes, h11.Connection] | None:
+    """The head h11 writes for a bodiless request and its connection after the request,
+    or ``None`` when h11 refuses to write it."""
+    conn = h11.Connection(h11.CLIENT)
+    try:
+        head = conn.send(h11.Request(method=method, target=target, headers=headers))
+        conn.send(h11.EndOfMessage())
+    except h11.LocalProtocolError:
+        return None
+    return head, conn
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from([b"GET", b"HEAD", b"DELETE", b"CONNECT", b"G ET", b"GET\r\n", b""]),
+    target=st.sampled_from([b"/ec/m/bfloat16/k", b"/a?b=c", b"*", b"/a b", b"/\x80", b""]),
+    host=st.sampled_from([[(b"Host", b"127.0.0.1:8080")], [(b"host", b"h")], []]),
+    fields=st.lists(
+        st.one_of(
+            st.sampled_from(REQUEST_FIELDS[:9]),
+            st.sampled_from(REQUEST_FIELDS),
+            st.tuples(st.binary(max_size=6), st.binary(max_size=6)),
+        ),
+        max_size=6,
+    ),
+)
+def test_a_plain_request_head_is_what_h11_writes(
+    method: bytes,
+    target: bytes,
+    host: list[tuple[bytes, bytes]],
+    fields: list[tuple[bytes, bytes]],
+) -> None:
+    headers = host + fields
+    plain = plain_request_head(method, target, headers)
+    if plain is None:
+        return
+    writing = h11_writing(method, target, headers)
+    assert writing is not None, "wrote a request that h11 refuses"
+    head, conn = writing
+    assert plain == head
+    # h11 waits for the answer of a finished, kept-alive request: nothing of the
+    # request's framing or connection rules was skipped
+    assert conn.our_state is h11.DONE
+    assert conn.their_state is h11.SEND_RESPONSE
+    assert not conn.client_is_waiting_for_100_continue
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        f
+        for f in REQUEST_FIELDS
+        if f[0].lower() in {b"host", b"content-length", b"transfer-encoding", b"expect", b"upgrade"}
+    ]
+    + [(b"Connection", b"close"), (b"X-Inject", b"a\r\nX-Evil: 1"), (b"X-Nul", b"a\x00b")],
+)
+def test_what_h11_must_frame_or_check_is_declined(field: tuple[bytes, bytes]) -> None:
+    headers = [(b"Host", b"h"), (b"Accept", b"*/*"), field]
+    assert plain_request_head(b"GET", b"/x", headers) is None
+    assert plain_request_head(b"GET", b"/x", headers[:2]) is not None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"headers": {"Authorization": "Bearer t0k3n", "X-Tenant": "a b"}}],
+)
+def test_the_sdks_get_and_head_are_plain(options: dict[str, object]) -> None:
+    with httpx.Client(**options) as http:  # type: ignore[arg-type]
+        (route,) = direct_routes(http, ["http://127.0.0.1:8080/prefix"]).values()
+    target = route.target("/ec/m/bfloat16/" + "a" * 64)
+    for method in (b"GET", b"HEAD"):
+        head = plain_request_head(method, target, route.headers)
+        assert head is not None
+        writing = h11_writing(method, target, route.headers)
+        assert writing is not None and writing[0] == head

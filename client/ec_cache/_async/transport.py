@@ -7,8 +7,10 @@ timeouts, event hooks) and:
 
 * parses and frames every request and response with h11 (status line, headers,
   ``Content-Length``, ``Transfer-Encoding: chunked`` with trailers, ``HEAD``, 1xx),
-  but for the plain response heads of nearly every ec-cache answer, which
-  ``ec_cache._head`` parses by h11's rules in a fifth of its time;
+  but for the plain response heads of nearly every ec-cache answer and the plain
+  heads of the clients' GET and HEAD, which ``ec_cache._head`` parses and writes by
+  h11's rules in a fifth of its time (h11 is told of such a request only when the
+  answer needs it);
 * sends request bodies from the caller's buffers (``memoryview`` s of tensor memory);
 * exposes ``response.extensions["ec_body"]``, whose ``readinto(buffer)`` fills caller
   memory. Once the bytes received with the head are handed over (by h11, or kept
@@ -40,7 +42,7 @@ import h11
 import httpx
 
 from .._backends import AsyncSemaphore, AsyncSocket
-from .._head import Head, parse_plain_head
+from .._head import Head, parse_plain_head, plain_request_head
 
 __all__ = ["AsyncResponseBody", "AsyncTransport"]
 
@@ -133,9 +135,32 @@ class AsyncConnection:
     def reset(self) -> None:
         """A fresh cycle (a new ``h11.Connection``: the last body may have bypassed
         h11's bookkeeping)."""
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._plain_request: Outgoing | None = None  # written without h11, not yet told
+        self.h11_fed = False  # whether h11 was given any received bytes
         self.received_any = False
         self.early = b""  # body bytes received with a plain head (h11 never saw them)
+
+    @property
+    def h11_state(self) -> h11.Connection:
+        """h11's state of this cycle; told of a plain request first, when there was one."""
+        out, self._plain_request = self._plain_request, None
+        if out is not None:
+            self._h11.send(h11.Request(method=out.method, target=out.target, headers=out.headers))
+            self._h11.send(h11.EndOfMessage())
+        return self._h11
+
+    def sent_plain(self, out: Outgoing) -> None:
+        """``out`` went out as a plain request head (h11 is told only if it is needed)."""
+        self._plain_request = out
+
+    @property
+    def request_complete(self) -> bool:
+        return self._plain_request is not None or self._h11.our_state is h11.DONE
+
+    def feed_h11(self, data: bytes | memoryview) -> None:
+        self.h11_state.receive_data(data)  # type: ignore[arg-type]
+        self.h11_fed = True
 
     def close(self) -> None:
         if not self.closed:
@@ -148,11 +173,11 @@ class AsyncConnection:
         """The next h11 event, receiving as needed; ``deadline`` (monotonic) bounds the
         whole wait, ``timeout`` each receive."""
         while True:
-            event = self.h11.next_event()
+            event = self.h11_state.next_event()
             if event is not h11.NEED_DATA:
                 return event
             n = await self._receive(timeout, deadline)
-            self.h11.receive_data(memoryview(self._buf)[:n] if n else b"")  # type: ignore[arg-type]
+            self.feed_h11(memoryview(self._buf)[:n] if n else b"")
 
     async def plain_head(
         self, method: bytes, timeout: float | None, deadline: float | None
@@ -164,7 +189,7 @@ class AsyncConnection:
         plain = parse_plain_head(self._buf, n, method)
         received = memoryview(self._buf)[:n]
         if plain is None:
-            self.h11.receive_data(received)  # type: ignore[arg-type]
+            self.feed_h11(received)
             return None
         self.early = bytes(received[plain.body_start :])
         return plain.head, plain.body_length
@@ -234,7 +259,11 @@ class AsyncResponseBody(httpx.AsyncByteStream):
                     return n
                 if self._direct_left is not None:
                     return await self._readinto_direct(conn, mv)
-                event = conn.h11.next_event()
+                if self._direct_length is not None and not conn.h11_fed:
+                    # after a plain head: nothing of the body is in h11's buffer
+                    self._direct_left = self._direct_length - self._delivered
+                    continue
+                event = conn.h11_state.next_event()
                 if event is h11.NEED_DATA:
                     if self._direct_length is not None:
                         # h11's buffer is empty: the rest goes straight into ``mv``
@@ -245,7 +274,7 @@ class AsyncResponseBody(httpx.AsyncByteStream):
                     self._left = memoryview(event.data)
                     self._delivered += len(event.data)
                 elif isinstance(event, h11.EndOfMessage):
-                    h = conn.h11
+                    h = conn.h11_state
                     if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                         self._keep_alive = False
                     elif h.trailing_data[0]:
@@ -454,14 +483,21 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         timeouts: Mapping[str, float | None],
         release_slot: Callable[[], None],
     ) -> httpx.Response:
-        h = conn.h11
         request = out.request
-        try:
-            head = h.send(h11.Request(method=out.method, target=out.target, headers=out.headers))
-        except h11.LocalProtocolError as exc:
-            conn.close()
-            raise httpx.LocalProtocolError(str(exc), request=request) from None
-        assert head is not None
+        plain = None
+        if out.stream is None:  # GET, HEAD: the head may be written without h11
+            plain = plain_request_head(out.method, out.target, out.headers)
+        if plain is not None:
+            head = plain
+            conn.sent_plain(out)
+        else:
+            try:
+                head = conn.h11_state.send(
+                    h11.Request(method=out.method, target=out.target, headers=out.headers)
+                )
+            except h11.LocalProtocolError as exc:
+                conn.close()
+                raise httpx.LocalProtocolError(str(exc), request=request) from None
         write_timeout, read_timeout = timeouts.get("write"), timeouts.get("read")
         phase = "write"
         try:
@@ -471,7 +507,10 @@ class AsyncTransport(httpx.AsyncBaseTransport):
                 head = b""
                 answer = await self._await_continue(conn, read_timeout, out.method)
             if answer is None:
-                await self._send_body(conn, head, out.stream, write_timeout)
+                if plain is not None:
+                    await conn.sock.sendall(plain, write_timeout)
+                else:
+                    await self._send_body(conn, head, out.stream, write_timeout)
                 phase = "read"
                 answer = await self._read_head(conn, read_timeout, out.method)
         except (OSError, h11.ProtocolError) as exc:
@@ -516,7 +555,7 @@ class AsyncTransport(httpx.AsyncBaseTransport):
             response_head,
             framed_length,
             out,
-            request_complete=conn.h11.our_state is h11.DONE,
+            request_complete=conn.request_complete,
             read_timeout=read_timeout,
             release_slot=release_slot,
         )
@@ -540,7 +579,7 @@ class AsyncTransport(httpx.AsyncBaseTransport):
     ) -> None:
         """Send what is left of the head, then the body (none when ``stream`` is
         ``None``); ``timeout`` bounds each write (one piece of at most 8 MiB)."""
-        h, sock = conn.h11, conn.sock
+        h, sock = conn.h11_state, conn.sock
         if stream is not None:
             async for chunk in stream:
                 if not chunk:
