@@ -544,8 +544,12 @@ def check_body_end(extra: int) -> None:
 
 
 def exists_body(hashes: Sequence[str]) -> tuple[httpx.ByteStream, dict[str, str]]:
-    """The body of ``POST .../_exists`` and its headers (re-iterable, for a resend)."""
-    content = json.dumps({"hashes": hashes}, separators=(",", ":")).encode()
+    """The body of ``POST .../_exists`` for checked ``hashes`` and its headers
+    (re-iterable, for a resend). A checked hash (letters, digits, ``. _ : -``) is its own
+    JSON string, so the list is joined rather than encoded (json.dumps escapes every
+    character: 0.18 ms for 1000 hashes)."""
+    listed = '","'.join(hashes).join(('["', '"]')) if hashes else "[]"
+    content = f'{{"hashes":{listed}}}'.encode()
     headers = {"Content-Type": "application/json", "Content-Length": str(len(content))}
     return httpx.ByteStream(content), headers
 

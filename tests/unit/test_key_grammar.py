@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from ec_cache import InvalidKeyError
+from ec_cache._core import exists_body
 from ec_cache._tensors import DTYPES as SDK_DTYPES
 from ec_cache._tensors import check_hash, check_hashes, check_model, parse_dtype
 from ec_cache._vllm.config import check_model_namespace
@@ -108,6 +109,12 @@ def test_a_batch_of_valid_hashes() -> None:
     assert first_invalid_hash(valid) is None and first_invalid_hash([]) is None
     assert check_hashes(iter(valid)) == valid and check_hashes([]) == []
     assert key_digests("m/x", "uint8", valid) == [key_digest("m/x", "uint8", h) for h in valid]
+    # exists_many's body joins checked hashes as JSON strings without escaping them
+    for batch in (valid, valid[:1], []):
+        stream, headers = exists_body(batch)
+        content = b"".join(stream)
+        assert json.loads(content) == {"hashes": batch}
+        assert headers["Content-Length"] == str(len(content))
 
 
 @pytest.mark.parametrize("value", _cases("hash", "invalid"))

@@ -201,6 +201,15 @@ class Client(ClientBase):
         """Existence of many hashes, in order: one ``POST .../_exists`` per replica and
         per 1000 hashes, the replicas asked at once."""
         hashes = check_hashes(hashes)
+        if len(self.router.urls) == 1:  # no replica order to follow: batches in order
+            url, size = self.router.urls[0], _core.EXISTS_BATCH
+            slices = [hashes[start : start + size] for start in range(0, len(hashes), size)]
+
+            def ask_one(batch: list[str]) -> list[bool]:
+                return self._exists_batch([url], batch)
+
+            found = self._mapper.map(ask_one, slices)
+            return [value for answer in found for value in answer]
         orders = self.router.orders(self.model, self.dtype, hashes)
         present = [False] * len(hashes)
         pending, dead = list(range(len(hashes))), set[str]()
