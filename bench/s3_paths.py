@@ -20,11 +20,9 @@ keep-alive connection each):
   Through the SDK, and through urllib3 streaming (``read(1)`` then the rest) for the
   time to first body byte (TTFB), against boto3 ``get_object`` (``Body.read(1)`` then
   the rest: the same urllib3 underneath);
-* the same SDK and boto3 GETs, and the same PUTs, **behind an S3 link of bounded
-  rate** (``LINK_RATES``, ``s3_link.ShapedLink``), where ``tc`` allows: S3 then takes
-  and answers bytes at a network's pace, as it does in production, rather than at a
-  loopback copy's, and a write-through shows whether it overlaps its S3 upload with
-  the receive;
+* the same SDK and boto3 GETs **behind an S3 link of bounded rate** (``LINK_RATES``,
+  ``s3_link.ShapedLink``), where ``tc`` allows: S3 then answers at a network's pace, as
+  it does in production, rather than at a loopback copy's;
 * the same TTFB **with the client on a core of its own**: with two CPUs, the client and
   the server share one, and a read-through's first bytes wait for the client to win
   that core back from the server's fill (about 1 ms on this VM: measured from the
@@ -426,16 +424,12 @@ def _payload(
             s3.put_object(Bucket=BUCKET, Key=key, Body=body)
             return payload.size, None
 
-        def put_rows() -> list[tuple[Row, Op]]:
-            return [(Row(BOTO3_PUT, lambda: None), boto3_put), (Row(SDK_PUT, _pid(wt)), sdk_put)]
-
-        entry["put"] = run_rounds(put_rows(), rounds=rounds, requests=count, s3_pid=s3_pid)
-        entry["put_shaped"] = {}
-        for rate in rates:
-            with s3_link.ShapedLink(weed.s3_port, rate):
-                entry["put_shaped"][rate] = run_rounds(
-                    put_rows(), rounds=rounds, requests=count, s3_pid=s3_pid
-                )
+        entry["put"] = run_rounds(
+            [(Row(BOTO3_PUT, lambda: None), boto3_put), (Row(SDK_PUT, _pid(wt)), sdk_put)],
+            rounds=rounds,
+            requests=count,
+            s3_pid=s3_pid,
+        )
         for key in written:
             hot_client.delete(key)
     finally:
@@ -448,15 +442,6 @@ def _payload(
 
 
 # --------------------------------------------------------------------------- report
-
-
-def _write_through(where: str, rows: dict[str, Any]) -> dict[str, Any]:
-    return target_row(
-        f"write-through PUT via SDK vs boto3 put_object, {where}",
-        0.9,
-        rows[SDK_PUT]["mb_per_s_median"],
-        rows[BOTO3_PUT]["mb_per_s_median"],
-    )
 
 
 def _read_through(where: str, rows: dict[str, Any]) -> dict[str, Any]:
@@ -485,9 +470,15 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         return rows
     tag = "" if section_results["pinned"] else " (S3 NOT isolated)"
     for name, entry in section_results["payloads"].items():
-        rows.append(_write_through(f"{name}{tag}", entry["put"]))
-        for rate, shaped in entry.get("put_shaped", {}).items():
-            rows.append(_write_through(f"{name}, S3 link {rate}", shaped))
+        put = entry["put"]
+        rows.append(
+            target_row(
+                f"write-through PUT via SDK vs boto3 put_object, {name}{tag}",
+                0.9,
+                put[SDK_PUT]["mb_per_s_median"],
+                put[BOTO3_PUT]["mb_per_s_median"],
+            )
+        )
         rows.append(_read_through(f"{name}{tag}", entry["get"]))
         rows.append(_first_byte(f"{name}{tag}", entry["get"]))
         for rate, shaped in entry["get_shaped"].items():
@@ -502,9 +493,9 @@ def _link_line(section_results: dict[str, Any]) -> str:
         return f"S3 link NOT shaped: {section_results['link_not_shaped']}."
     rates = ", ".join(section_results["link_rates"])
     return (
-        f'Rows marked "S3 link": the same GETs and write-through PUTs with S3\'s traffic '
-        f'limited to {rates} each way (`bench/s3_link.py`); "client on its own core": the '
-        "cold server moved to S3's core."
+        f'Rows marked "S3 link": the same GETs with S3\'s traffic limited to {rates} each '
+        'way (`bench/s3_link.py`); "client on its own core": the cold server moved to '
+        "S3's core."
     )
 
 
@@ -530,9 +521,6 @@ def markdown(results: dict[str, Any]) -> str:
         if "ttfb_client_alone" in entry:
             groups.append((", client on its own core", entry["ttfb_client_alone"]))
         groups.append(("", entry["put"]))
-        groups += [
-            (f", S3 link {rate}", rows) for rate, rows in entry.get("put_shaped", {}).items()
-        ]
         for where, rows in groups:
             for label, row in rows.items():
                 ttfb = f"{row['ttfb_p50_ms']:.2f}" if "ttfb_p50_ms" in row else ""
