@@ -36,7 +36,8 @@ _MAX_LENGTH_DIGITS = 18  # bodies below 1 EB; h11 allows 20, longer ones go to i
 _PLAIN_REQUEST = re.compile(
     _TOKEN + rb" [!-~]+ HTTP/1\.1\r\n(?:" + _TOKEN + rb": " + _VALUE + rb"\r\n)+\r\n"
 )
-# Fields that make h11 frame a body, switch protocols or wait for 100 Continue.
+# Fields (after the first, Host) that only h11 handles: body framing, a protocol switch,
+# 100 Continue, and a second Host, which h11 refuses.
 _NOT_PLAIN = frozenset({b"host", b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 
 
