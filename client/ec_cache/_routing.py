@@ -56,9 +56,7 @@ class Router:
         return sorted(self.urls, key=lambda u: _score(u, key), reverse=True)
 
     def orders(self, model: str, dtype: str, hashes: Sequence[str]) -> list[list[str]]:
-        """:meth:`order` of each of ``hashes`` (with one replica, no hashing at all)."""
-        if len(self.urls) == 1:
-            return [self.urls] * len(hashes)
+        """:meth:`order` of each of ``hashes``."""
         return [self.order(model, dtype, hash) for hash in hashes]
 
     def primary(self, model: str, dtype: str, hash: str) -> str:
