@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 from collections import deque
 from typing import Any
@@ -227,6 +228,15 @@ class _HeadWithBody:
 #: the body, if less), which are handed to the app as they fill.
 BODY_BUFFER_BYTES = 1024 * 1024
 
+# CPython's PyByteArray_FromStringAndSize(NULL, n) leaves the new bytearray's bytes as
+# they come from the allocator, where bytearray(n) zeroes them: a memset of every body
+# byte (4-5% of a disk-only server's CPU at 16 concurrent 4.7 MB PUTs, by perf) for
+# bytes the socket read overwrites before anything sees them (only the filled part of
+# a buffer is handed on).
+_unzeroed_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_unzeroed_bytearray.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_unzeroed_bytearray.restype = ctypes.py_object
+
 
 class _BodyReader(asyncio.BufferedProtocol):
     """The transport's protocol while a PUT's body is read: the socket's bytes go
@@ -243,7 +253,7 @@ class _BodyReader(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self._free:
             size = min(self._protocol._body_left, BODY_BUFFER_BYTES)
-            self._free = memoryview(bytearray(size))
+            self._free = memoryview(_unzeroed_bytearray(None, size))
         return self._free
 
     def buffer_updated(self, nbytes: int) -> None:
