@@ -526,9 +526,11 @@ def error_document(status: int) -> bytes:
 
 
 class FaultyFront:
-    """An HTTP front for an S3 endpoint: answers the next ``failures`` GETs itself with
-    ``status`` and its S3 error document, and forwards every other request unchanged
-    (its signature covers the Host header, which is passed on as received)."""
+    """An HTTP front for an S3 endpoint: answers the next ``failures`` GETs (and the next
+    ``put_failures`` PUTs, their bodies read first) itself with ``status`` and its S3
+    error document, and forwards every other GET and PUT unchanged (its signature
+    covers the Host header, which is passed on as received). ``put_headers`` keeps the
+    headers of every PUT it was sent."""
 
     def __init__(self, target: str) -> None:
         parts = urlsplit(target)
@@ -537,6 +539,8 @@ class FaultyFront:
         self.failures = 0
         self.status = 503
         self.gets = 0
+        self.put_failures = 0
+        self.put_headers: list[dict[str, str]] = []
         front = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -549,16 +553,32 @@ class FaultyFront:
                 front.gets += 1
                 if front.failures > 0:
                     front.failures -= 1
-                    document = error_document(front.status)
-                    self.send_response(front.status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(document)))
-                    self.end_headers()
-                    self.wfile.write(document)
+                    self._fail()
                     return
+                self._forward(None)
+
+            def do_PUT(self) -> None:
+                front.put_headers.append(dict(self.headers.items()))
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if front.put_failures > 0:
+                    front.put_failures -= 1
+                    self._fail()
+                    return
+                self._forward(body)
+
+            def _fail(self) -> None:
+                document = error_document(front.status)
+                self.send_response(front.status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(document)))
+                self.end_headers()
+                self.wfile.write(document)
+
+            def _forward(self, body: bytes | None) -> None:
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}
                 conn = http.client.HTTPConnection(*upstream, timeout=20)
                 try:
-                    conn.request("GET", self.path, headers=dict(self.headers.items()))
+                    conn.request(self.command, self.path, body=body, headers=headers)
                     answer = conn.getresponse()
                     data = answer.read()
                 finally:

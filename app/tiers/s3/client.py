@@ -4,9 +4,10 @@ boto3 is synchronous; every call runs on a dedicated thread pool (sized like the
 connection pool) so the event loop never blocks. :meth:`S3Client.call` is the one way a
 call is made: it counts and times it, maps its failure onto :class:`S3Error` /
 :class:`S3Unavailable` (``errors``) and answers ``None`` for a missing object where the
-caller allows it. Every call is a boto3 call except the read path's GET (:meth:`open`),
-which ``loop_get`` makes on the event loop (``signed_get`` on boto3's connection pool
-where the endpoint is behind a proxy).
+caller allows it. Every call is a boto3 call except two that skip boto3's per-call
+pipeline: the read path's GET (:meth:`open`), which ``loop_get`` makes on the event loop
+(``signed_get`` on boto3's connection pool where the endpoint is behind a proxy), and
+the single-part upload (``signed_put``, on boto3's connection pool).
 
 After an :class:`S3Unavailable`, calls fail fast for ``EC_S3_UNAVAILABLE_COOLDOWN``
 seconds (a tiny circuit breaker) so a dead endpoint costs each request no more than one
@@ -42,6 +43,7 @@ from app.tiers.base import Chunk
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
 from app.tiers.s3.loop_get import LoopGet
 from app.tiers.s3.signed_get import SignedGet
+from app.tiers.s3.signed_put import SignedPut
 from app.tiers.s3.sigv4 import GetSigner
 
 log = logging.getLogger(__name__)
@@ -269,19 +271,6 @@ class S3Client:
                 **common,
             ),
         )
-        #: Streaming uploads (``transfers.StreamingPut``): one attempt, because a body
-        #: that is being received cannot be sent again.
-        self.stream_client: Any = session.client(
-            "s3",
-            endpoint_url=settings.s3_endpoint_url,
-            verify=settings.s3_verify_tls,
-            config=Config(
-                connect_timeout=settings.s3_connect_timeout,
-                read_timeout=settings.s3_read_timeout,
-                retries={"max_attempts": 1, "mode": "standard"},
-                **common,
-            ),
-        )
         #: Readiness probes: one attempt, short timeouts, so /readyz answers within ~3 s
         #: even when the endpoint is a black hole.
         self.probe_client: Any = session.client(
@@ -297,7 +286,8 @@ class S3Client:
         )
         #: The read path's GET (``open``): on the event loop, or on boto3's transport
         #: where a proxy stands between us and the endpoint.
-        signer = GetSigner(self.client, self.bucket, session.get_credentials())
+        credentials = session.get_credentials()
+        signer = GetSigner(self.client, self.bucket, credentials)
         self._get: LoopGet | SignedGet
         if self.client._endpoint.http_session._proxy_config.proxy_url_for(
             self.client.meta.endpoint_url
@@ -316,6 +306,9 @@ class S3Client:
                 settings.s3_max_attempts,
                 settings.s3_get_chunk_size,
             )
+        #: Every single-part upload (``transfers``): boto3's request on its pool,
+        #: without its per-call pipeline. A streaming upload's body gets one attempt.
+        self.signed_put = SignedPut(self.client, self.bucket, credentials, settings.s3_max_attempts)
         self._lock = threading.Lock()
         self._unavailable_until = 0.0
         self._last_unavailable: str | None = None
@@ -547,7 +540,7 @@ class S3Client:
         self.executor.shutdown(wait=False, cancel_futures=True)
         if isinstance(self._get, LoopGet):
             self._get.close()
-        for client in (self.client, self.stream_client, self.probe_client):
+        for client in (self.client, self.probe_client):
             try:
                 client.close()
             except Exception:

@@ -10,11 +10,15 @@ callers ask :func:`is_not_found` and answer ``None``.
 from __future__ import annotations
 
 import random
+import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from typing import Any
 
 import botocore.exceptions as bce
 import urllib3.exceptions
+
+#: Bytes of an error answer read for its XML document.
+ERROR_BODY_BYTES = 64 * 1024
 
 
 class S3Error(Exception):
@@ -130,3 +134,25 @@ def retry_delay(exc: BaseException, attempt: int, max_attempts: int) -> float | 
         return None
     scale = THROTTLING_BACKOFF if is_throttling(exc) else BASE_BACKOFF
     return random.random() * min(scale * 2.0 ** (attempt - 1), MAX_BACKOFF)
+
+
+def client_error(
+    status: int, headers: Mapping[str, str], document: bytes, operation: str
+) -> bce.ClientError:
+    """The ``ClientError`` boto3 raises for this error answer to ``operation`` (the
+    transports that skip boto3's pipeline: ``loop_get``, ``signed_get``, ``signed_put``)."""
+    code, message = str(status), ""
+    try:
+        root = ET.fromstring(document)
+    except ET.ParseError:
+        pass
+    else:
+        code = root.findtext("Code") or code
+        message = root.findtext("Message") or ""
+    return bce.ClientError(
+        {
+            "Error": {"Code": code, "Message": message},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": dict(headers)},
+        },
+        operation,
+    )

@@ -32,8 +32,8 @@ import httptools
 from botocore.httpsession import get_cert_path
 
 from app.tiers.base import Chunk
-from app.tiers.s3.errors import retry_delay
-from app.tiers.s3.signed_get import ERROR_BODY_BYTES, FIRST_READ_BYTES, READ_AHEAD, client_error
+from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retry_delay
+from app.tiers.s3.signed_get import FIRST_READ_BYTES, READ_AHEAD
 from app.tiers.s3.sigv4 import GetSigner
 
 #: The buffer an answer's head is received into (and parsed from).
@@ -386,7 +386,7 @@ class LoopGet:
             connection.close()
             raise
         self.release(connection)
-        raise client_error(connection.status, connection.headers, bytes(document))
+        raise client_error(connection.status, connection.headers, bytes(document), "GetObject")
 
     def _take_idle(self) -> _Connection | None:
         while self._idle:

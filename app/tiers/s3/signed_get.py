@@ -29,46 +29,23 @@ import contextlib
 import logging
 import threading
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
-import botocore.exceptions as bce
 from botocore.awsrequest import AWSRequest
 
-from app.tiers.s3.errors import retry_delay
+from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retry_delay
 from app.tiers.s3.sigv4 import GetSigner
 
 log = logging.getLogger(__name__)
 
-#: Bytes of an error answer read for its XML document.
-ERROR_BODY_BYTES = 64 * 1024
 #: The first chunk of a GET body: small, so the safetensors header (and with it a
 #: read-through's answer) is known after one round trip. Chunks then grow x8 up to
 #: ``EC_S3_GET_CHUNK_SIZE``.
 FIRST_READ_BYTES = 64 * 1024
 #: Chunks a download reads ahead of its consumer at most.
 READ_AHEAD = 2
-
-
-def client_error(status: int, headers: Mapping[str, str], document: bytes) -> bce.ClientError:
-    """The ``ClientError`` boto3 raises for this error answer."""
-    code, message = str(status), ""
-    try:
-        root = ET.fromstring(document)
-    except ET.ParseError:
-        pass
-    else:
-        code = root.findtext("Code") or code
-        message = root.findtext("Message") or ""
-    return bce.ClientError(
-        {
-            "Error": {"Code": code, "Message": message},
-            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": dict(headers)},
-        },
-        "GetObject",
-    )
 
 
 class SignedGet:
@@ -132,7 +109,7 @@ class SignedGet:
             document = raw.read(ERROR_BODY_BYTES)
         finally:
             raw.close()
-        raise client_error(response.status_code, response.headers, document)
+        raise client_error(response.status_code, response.headers, document, "GetObject")
 
 
 class ThreadedBody:

@@ -92,16 +92,13 @@ def object_metadata(crc32c: int, metadata: Mapping[str, str] | None) -> dict[str
 def _put_object(
     s3: S3Client, key: str, body: Any, size: int, crc32c: int, metadata: Mapping[str, str] | None
 ) -> None:
-    client = s3.stream_client if isinstance(body, BodyPipe) else s3.client
-    client.put_object(
-        Bucket=s3.bucket,
-        Key=key,
-        Body=body,
-        ContentLength=size,
-        ContentType="application/octet-stream",
-        ChecksumAlgorithm="CRC32C",
-        ChecksumCRC32C=crc32c_to_b64(crc32c),
-        Metadata=object_metadata(crc32c, metadata),
+    s3.signed_put.put(
+        key,
+        body,
+        size,
+        content_type="application/octet-stream",
+        checksum_crc32c=crc32c_to_b64(crc32c),
+        metadata=object_metadata(crc32c, metadata),
     )
     s3.metrics.bytes_up.inc(size)
 
@@ -152,6 +149,9 @@ class MappedFileBody:
 
     def tell(self) -> int:
         return self._position
+
+    def seekable(self) -> bool:
+        return True
 
 
 async def put_file(
@@ -236,6 +236,9 @@ class BodyPipe:
         self._taken.set()
 
     # -- sender thread side
+    def seekable(self) -> bool:
+        return False  # what was sent is gone: one attempt only
+
     def tell(self) -> int:
         if self._started:
             raise io.UnsupportedOperation("a streamed upload body has no position")

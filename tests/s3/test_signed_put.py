@@ -1,0 +1,163 @@
+"""The single-part upload without boto3's pipeline (``app.tiers.s3.signed_put``) against
+the real S3 endpoint: the request is the one ``put_object`` sends, keys that need
+percent-encoding read back, failures are retried (the body sent again from its start)
+as boto3 retries them, and a body that cannot be rewound gets one attempt."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from app.checksum import crc32c as crc
+from app.tiers.s3.client import crc32c_to_b64
+from app.tiers.s3.errors import S3Error, S3Unavailable
+from app.tiers.s3.transfers import object_metadata, put_bytes, put_file
+from tests.s3.conftest import MiB, StoreFactory
+from tests.s3.harness import FaultyFront, S3Endpoint
+
+pytestmark = pytest.mark.anyio
+
+#: Headers that differ between any two requests (time, signature, SDK bookkeeping).
+VOLATILE = {"user-agent", "x-amz-date", "authorization", "amz-sdk-invocation-id", "amz-sdk-request"}
+
+
+def comparable(headers: dict[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items() if k.lower() not in VOLATILE}
+
+
+async def test_the_request_is_the_one_put_object_sends(
+    make_store: StoreFactory, s3_endpoint: S3Endpoint, faulty_front: FaultyFront
+) -> None:
+    store = make_store(s3_endpoint_url=faulty_front.url)
+    data = os.urandom(MiB + 17)  # above 1 MiB: both ask for 100 Continue
+    key = f"{store.prefix}/same-request.safetensors"
+    metadata = object_metadata(crc(data), {"Origin": "test"})
+
+    store.signed_put.put(
+        key,
+        data,
+        len(data),
+        content_type="application/octet-stream",
+        checksum_crc32c=crc32c_to_b64(crc(data)),
+        metadata=metadata,
+    )
+    store.client.put_object(  # what transfers sent before signed_put, same client
+        Bucket=s3_endpoint.bucket,
+        Key=key,
+        Body=data,
+        ContentLength=len(data),
+        ContentType="application/octet-stream",
+        ChecksumAlgorithm="CRC32C",
+        ChecksumCRC32C=crc32c_to_b64(crc(data)),
+        Metadata=metadata,
+    )
+    ours, boto3s = faulty_front.put_headers
+    assert comparable(ours) == comparable(boto3s)
+    assert ours["Expect"] == "100-continue"
+    assert "x-amz-checksum-crc32c" in ours["Authorization"]  # the checksum is signed
+    assert await store.get_bytes(key) == data
+
+
+async def test_keys_that_need_percent_encoding_read_back(
+    make_store: StoreFactory, s3_endpoint: S3Endpoint, tmp_file: Callable[[bytes], Path]
+) -> None:
+    store = make_store()
+    data = os.urandom(300_000)
+    key = f"{store.prefix}/org/model@rev/bfloat16/a b+c%20ü~:=.safetensors"
+    await put_file(store, key, tmp_file(data), crc32c=crc(data))
+    head = s3_endpoint.client().head_object(
+        Bucket=s3_endpoint.bucket, Key=key, ChecksumMode="ENABLED"
+    )
+    assert head["ContentLength"] == len(data)
+    assert head["ContentType"] == "application/octet-stream"
+    assert head["Metadata"] == {"ec-crc32c": f"{crc(data):08x}"}
+    assert head.get("ChecksumCRC32C") in (None, crc32c_to_b64(crc(data)))
+    assert await store.get_bytes(key) == data
+
+
+async def test_throttling_is_retried_with_the_body_sent_again(
+    make_store: StoreFactory, faulty_front: FaultyFront, tmp_file: Callable[[bytes], Path]
+) -> None:
+    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
+    data = os.urandom(3 * MiB + 5)
+    key = f"{store.prefix}/retried.safetensors"
+
+    faulty_front.put_failures = 2  # SlowDown, read whole before it is answered
+    await put_file(store, key, tmp_file(data), crc32c=crc(data))
+    assert len(faulty_front.put_headers) == 3
+    assert await store.get_bytes(key) == data  # sent whole again from its start
+    assert store.available
+
+    small = b"retried bytes" * 100
+    faulty_front.put_failures, faulty_front.put_headers = 1, []
+    await put_bytes(store, key, small, crc32c=crc(small))
+    assert len(faulty_front.put_headers) == 2
+    assert await store.get_bytes(key) == small
+
+    faulty_front.put_failures, faulty_front.put_headers = 3, []
+    with pytest.raises(S3Unavailable, match="SlowDown"):
+        await put_bytes(store, key, data, crc32c=crc(data))
+    assert len(faulty_front.put_headers) == 3
+    assert not store.available  # the breaker opened after the last attempt
+    assert await make_store().get_bytes(key) == small  # the failed upload changed nothing
+
+
+async def test_a_client_error_is_not_retried(
+    make_store: StoreFactory, faulty_front: FaultyFront
+) -> None:
+    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
+    faulty_front.put_failures, faulty_front.status = 1, 403
+    data = b"forbidden" * 10
+    with pytest.raises(S3Error) as caught:
+        await put_bytes(store, f"{store.prefix}/forbidden.safetensors", data, crc32c=crc(data))
+    assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
+    assert len(faulty_front.put_headers) == 1
+    assert store.available  # it answered
+
+
+async def test_a_body_that_cannot_be_rewound_gets_one_attempt(
+    make_store: StoreFactory, faulty_front: FaultyFront
+) -> None:
+    class OneWay(io.RawIOBase):
+        """A body that can be read once, as a streaming upload's pipe."""
+
+        def __init__(self, data: bytes) -> None:
+            self._data = io.BytesIO(data)
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, size: int = -1) -> bytes:
+            return self._data.read(size)
+
+    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
+    faulty_front.put_failures = 1
+    data = os.urandom(200_000)
+    with pytest.raises(S3Unavailable, match="SlowDown"):
+        await store.call(
+            "put",
+            lambda: store.signed_put.put(
+                f"{store.prefix}/one-way.safetensors",
+                OneWay(data),
+                len(data),
+                content_type="application/octet-stream",
+                checksum_crc32c=crc32c_to_b64(crc(data)),
+                metadata={},
+            ),
+        )
+    assert len(faulty_front.put_headers) == 1
+
+
+async def test_a_wrong_secret_is_a_credentials_error_not_retried(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store(secret_access_key="definitely-wrong-secret", s3_max_attempts=3)
+    data = b"x" * 1000
+    with pytest.raises(S3Error) as caught:
+        await put_bytes(store, f"{store.prefix}/denied.safetensors", data, crc32c=crc(data))
+    assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
+    assert store.available
