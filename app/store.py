@@ -19,7 +19,7 @@ from typing import Any
 import anyio.to_thread
 
 from app.errors import ECError, NotFound, Unavailable
-from app.keys import EntryKey, key_digests
+from app.keys import EntryKey
 from app.metrics import Metrics
 from app.namespaces import Purges
 from app.safetensors_format import BodyValidator, TensorHeader
@@ -161,7 +161,7 @@ class Store:
         built only for the disk misses that S3 is asked about (1000 at a time here)."""
         if hashes and self.purges.blocks(EntryKey(model, dtype, hashes[0])):
             return [False] * len(hashes)
-        present = self.disk.contains_digests(key_digests(model, dtype, hashes))
+        present = self.disk.contains_hashes(model, dtype, hashes)
         s3 = self.s3
         if s3 is None or all(present):
             return present

@@ -54,7 +54,7 @@ from prometheus_client import CollectorRegistry
 
 from app.checksum import crc32c, to_hex
 from app.errors import ECError, InsufficientStorage, InvalidKey, Unavailable
-from app.keys import EntryKey
+from app.keys import EntryKey, key_digests
 from app.metrics import DiskCommitMetrics
 from app.safetensors_format import (
     TensorHeader,
@@ -500,10 +500,23 @@ class DiskTier:
         with self._lock:
             return key.digest in self._index
 
-    def contains_digests(self, digests: Sequence[str]) -> list[bool]:
-        """Presence of many keys by ``key_digest``, under one lock acquisition."""
+    def contains_hashes(self, model: str, dtype: str, hashes: Sequence[str]) -> list[bool]:
+        """Presence of many validated hashes of one model and dtype, in order. An entry
+        whose key is known is found in its namespace's map under one lock acquisition,
+        with no key hashed (``key_digest`` is most of the cost of a batch of 1000
+        otherwise). Only while unattributed entries exist (their keys.log lines lost)
+        are the hashes not found there looked up by digest too."""
         with self._lock:
-            return [digest in self._index for digest in digests]
+            members = self._namespaces.get((model, dtype))
+            present = [h in members for h in hashes] if members else [False] * len(hashes)
+            if not self._unattributed or all(present):
+                return present
+        missing = [index for index, found in enumerate(present) if not found]
+        digests = key_digests(model, dtype, [hashes[index] for index in missing])
+        with self._lock:
+            for index, digest in zip(missing, digests, strict=True):
+                present[index] = digest in self._index
+        return present
 
     def open(self, key: EntryKey) -> OpenedEntry | None:
         """Map the entry's file; None on a miss. Marks the entry most recently used."""

@@ -128,3 +128,41 @@ def test_torn_or_forged_lines_are_ignored(tmp_path: Path) -> None:
     again.rebuild()
     assert _usage(again)[("m", "uint8")][0] == 1
     assert _usage(again)[None, None][0] == 1
+
+
+def test_contains_hashes_by_namespace_and_for_unattributed_entries(tmp_path: Path) -> None:
+    size = len(body((8,), "U8", 1))
+    tier = DiskTier(tmp_path, 4 * size)
+    tier.rebuild()
+    for i in range(3):
+        _put(tier, "m", "uint8", f"k{i}")
+    _put(tier, "other", "uint8", "k3")
+    asked = ["k0", "k3", "k1", "absent", "k2", "k0"]
+    assert tier.contains_hashes("m", "uint8", asked) == [True, False, True, False, True, True]
+    assert tier.contains_hashes("m", "float16", ["k0"]) == [False]  # another dtype
+    assert tier.contains_hashes("m", "uint8", []) == []
+
+    assert tier.delete(EntryKey.parse("m", "uint8", "k1"))
+    _put(tier, "m", "uint8", "k4")
+    _put(tier, "m", "uint8", "k5")  # the bound is 4 entries: k0 (least recent) goes
+    assert tier.contains_hashes("m", "uint8", ["k0", "k1", "k2", "k4", "k5"]) == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+
+    (tmp_path / "keys.log").unlink()  # keys unknown after a restart: found by digest
+    again = DiskTier(tmp_path, 5 * size)  # room for one more: nothing is evicted
+    again.rebuild()
+    assert _usage(again) == {(None, None): (4, 4 * size)}
+    assert again.contains_hashes("m", "uint8", ["k2", "k0", "k5", "k3"]) == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert again.contains_hashes("other", "uint8", ["k3"]) == [True]
+    _put(again, "m", "uint8", "k6")  # attributed beside unattributed ones
+    assert again.contains_hashes("m", "uint8", ["k6", "k4", "k9"]) == [True, True, False]
