@@ -161,3 +161,21 @@ async def test_a_wrong_secret_is_a_credentials_error_not_retried(
         await put_bytes(store, f"{store.prefix}/denied.safetensors", data, crc32c=crc(data))
     assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
     assert store.available
+
+
+async def test_uploads_go_through_a_proxy(
+    make_store: StoreFactory,
+    faulty_front: FaultyFront,
+    tmp_file: Callable[[bytes], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", faulty_front.url)
+    store = make_store()  # boto3's transport picks the proxy up, as for every call
+    data = os.urandom(2 * MiB + 3)
+    key = f"{store.prefix}/proxied.safetensors"
+    await put_file(store, key, tmp_file(data), crc32c=crc(data))
+    assert len(faulty_front.put_headers) == 1  # the front saw the PUT, as a proxy
+    monkeypatch.delenv("HTTP_PROXY")
+    assert await make_store().get_bytes(key) == data
