@@ -10,15 +10,18 @@ callers ask :func:`is_not_found` and answer ``None``.
 from __future__ import annotations
 
 import random
+import time
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import botocore.exceptions as bce
 import urllib3.exceptions
 
 #: Bytes of an error answer read for its XML document.
 ERROR_BODY_BYTES = 64 * 1024
+
+T = TypeVar("T")
 
 
 class S3Error(Exception):
@@ -134,6 +137,27 @@ def retry_delay(exc: BaseException, attempt: int, max_attempts: int) -> float | 
         return None
     scale = THROTTLING_BACKOFF if is_throttling(exc) else BASE_BACKOFF
     return random.random() * min(scale * 2.0 ** (attempt - 1), MAX_BACKOFF)
+
+
+def retried(
+    call: Callable[[], T], max_attempts: int, rewind: Callable[[], object] | None = None
+) -> T:
+    """``call()``, retried as :func:`retry_delay` says (botocore's "standard" mode) up to
+    ``max_attempts``; ``rewind`` runs before each retry. Blocking: for a pool thread
+    (the transports that skip boto3's pipeline and its retries: ``signed_get``,
+    ``signed_put``)."""
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            attempt += 1
+            delay = retry_delay(exc, attempt, max_attempts)
+            if delay is None:
+                raise
+            time.sleep(delay)
+            if rewind is not None:
+                rewind()
 
 
 def client_error(

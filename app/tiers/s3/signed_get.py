@@ -15,7 +15,7 @@ keeps what matters from botocore and drops the rest:
   connection pool, and its exceptions are botocore's;
 * errors: a non-200 answer becomes a botocore ``ClientError`` (code and message from
   S3's XML error document), so ``errors.map_error`` maps it like any boto3 failure;
-* retries: ``errors.retry_delay`` (botocore's "standard" mode) up to
+* retries: ``errors.retried`` (botocore's "standard" mode) up to
   ``EC_S3_MAX_ATTEMPTS``.
 
 Path-style addressing only (``client.ADDRESSING_STYLE``). The body is a urllib3 response
@@ -28,14 +28,13 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
 from botocore.awsrequest import AWSRequest
 
-from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retry_delay
+from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retried
 from app.tiers.s3.sigv4 import GetSigner
 
 log = logging.getLogger(__name__)
@@ -78,17 +77,7 @@ class SignedGet:
         return headers, ThreadedBody(self._executor, raw, first, size, self._chunk_size)
 
     def _open(self, key: str) -> tuple[Mapping[str, str], Any, bytes]:
-        attempt = 0
-        while True:
-            try:
-                headers, raw = self._get_once(key)
-                break
-            except Exception as exc:
-                attempt += 1
-                delay = retry_delay(exc, attempt, self._max_attempts)
-                if delay is None:
-                    raise
-                time.sleep(delay)
+        headers, raw = retried(lambda: self._get_once(key), self._max_attempts)
         # The first chunk is read by this same job, so it reaches the loop without
         # another hand-over to the pool and back.
         try:

@@ -18,7 +18,7 @@ This PUT keeps what matters from botocore and drops the rest:
   so its exceptions are botocore's;
 * errors: a non-2xx answer becomes the ``ClientError`` boto3 raises
   (``errors.client_error``), so ``errors.map_error`` maps it like any boto3 failure;
-* retries: ``errors.retry_delay`` (botocore's "standard" mode) up to ``max_attempts``,
+* retries: ``errors.retried`` (botocore's "standard" mode) up to ``max_attempts``,
   the body rewound for each; a body that cannot be rewound (a streaming upload's
   pipe) gets one attempt.
 
@@ -27,7 +27,6 @@ Path-style addressing only (``client.ADDRESSING_STYLE``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
@@ -37,7 +36,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retry_delay
+from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retried
 
 #: A body above this size waits for ``100 Continue`` (S3's go-ahead after checking the
 #: signature and the request) before it is sent, so a refused upload is not sent whole.
@@ -87,20 +86,11 @@ class SignedPut:
         in_memory = isinstance(body, bytes | bytearray | memoryview)
         rewindable = in_memory or body.seekable()
         start = body.tell() if rewindable and not in_memory else 0
-        attempts = self._max_attempts if rewindable else 1
-        attempt = 0
-        while True:
-            try:
-                self._put_once(url, headers, body)
-                return
-            except Exception as exc:
-                attempt += 1
-                delay = retry_delay(exc, attempt, attempts)
-                if delay is None:
-                    raise
-                time.sleep(delay)
-                if not in_memory:
-                    body.seek(start)
+        retried(
+            lambda: self._put_once(url, headers, body),
+            self._max_attempts if rewindable else 1,
+            None if in_memory else lambda: body.seek(start),
+        )
 
     def _put_once(self, url: str, headers: Mapping[str, str], body: Any) -> None:
         if self._credentials is None:
