@@ -4,28 +4,57 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+# The server's runtime dependency tree, exact versions with hashes (`make lock`).
+LOCK   := requirements.lock
 # torch 2.13.0 is the CPU build that lies on the build machines' disk; any other torch
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
+# Elsewhere, TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU build.
 TORCH  := torch==2.13.0
+TORCH_INDEX ?=
+PIP_TORCH := $(PIP) $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+# The SDK at the lowest versions its pyproject admits (scripts/sdk-floor-venv.sh).
+FLOOR_VENV := .venv-sdk-floor
+# A uvicorn other than the locked one (tests/e2e/test_unlocked_uvicorn.py).
+OTHER_UVICORN := uvicorn==0.34.3
+OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests vllm-engine-tests bench bench-quick bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: run sdk lock test system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-gpu bench-gpu-cpu gpu-wheels clean
 
-$(VENV)/.server: pyproject.toml
+# The server from the lock (hash-checked), then the project itself without resolving.
+$(VENV)/.server: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) -e .
+	$(PIP) --require-hashes -r $(LOCK)
+	$(PIP) --no-deps -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml client/pyproject.toml $(VENV)/.server
-	$(PIP) $(TORCH)
-	$(PIP) -e '.[test,bench]' -e './client[numpy]'
+$(VENV)/.sdk: client/pyproject.toml $(VENV)/.server
+	$(PIP_TORCH)
+	$(PIP) -e './client[numpy]' safetensors
+	touch $@
+
+# Test tools on top of the locked server: pip keeps the locked versions (a test checks).
+$(VENV)/.test: pyproject.toml $(VENV)/.server $(VENV)/.sdk
+	$(PIP) -e '.[test,bench]'
+	rm -rf $(OTHER_UVICORN_DIR)
+	$(PIP) --no-deps --target $(OTHER_UVICORN_DIR) '$(OTHER_UVICORN)'
 	touch $@
 
 ## run: start the server on its embedded default (disk only, data in ./ec-data)
 run: $(VENV)/.server
 	$(PY) -m app
 
+## sdk: the SDK and its CLI `ec-cache` into .venv, with numpy and safetensors (torch
+## pinned to 2.13.0; add TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU build)
+sdk: $(VENV)/.sdk
+
+## lock: re-resolve requirements.lock (the server's runtime tree) from pyproject.toml
+lock: $(VENV)/.test
+	$(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
+	  --generate-hashes --upgrade --custom-compile-command "make lock" --quiet -o $(LOCK)
+	@echo "requirements.lock refreshed: see docs/deploy.md, 'Upgrading dependencies'"
+
 ## test: create the environments, lint, type-check and run the whole test suite
-test: system-deps lint typecheck deploy-check pytest-suite vllm-tests vllm-engine-tests
+test: system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests
 
 ## system-deps: nginx (benchmarks' reference server) from Debian, when missing
 system-deps:
@@ -33,10 +62,13 @@ system-deps:
 	  echo "installing nginx (Debian package)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }
 
+## lint: ruff, the generated sync client, and every import declared (deptry)
 lint: $(VENV)/.test
 	$(PY) scripts/unasync.py --check
 	$(VENV)/bin/ruff check app client bench tests
 	$(VENV)/bin/ruff format --check app client bench tests
+	$(VENV)/bin/deptry app
+	cd client && ../$(VENV)/bin/deptry ec_cache
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy app client/ec_cache
@@ -49,6 +81,11 @@ deploy-check:
 # with its tools, tests/vllm and tests/vllm_engine in their own targets with vLLM's pins).
 pytest-suite: $(VENV)/.test
 	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm --ignore=tests/vllm_engine
+
+## sdk-floor-tests: the SDK's tests with its dependencies at their lowest admitted versions
+sdk-floor-tests: $(VENV)/.test
+	VENV=$(FLOOR_VENV) bash scripts/sdk-floor-venv.sh
+	EC_SERVER_PYTHON=$(PY) $(FLOOR_VENV)/bin/python -m pytest tests/client
 
 ## vllm-tests: the connector against vLLM 0.33.0's own classes, in .venv-vllm
 vllm-tests: $(VENV)/.test
