@@ -248,13 +248,16 @@ def test_two_replicas_routing_and_failover(
 
 
 def test_cookies_are_neither_kept_nor_sent(fake: Any, client_factory: Factory) -> None:
-    """ec-cache sets no cookies; the SDK skips httpx's cookie jar (client CPU), so a
-    ``Set-Cookie`` from a server (or a proxy in front) is never sent back."""
+    """ec-cache sets no cookies, so a ``Set-Cookie`` from a server (or a proxy in front)
+    is never sent back: neither by the SDK's own transport (GET) nor through httpx
+    (DELETE, ``stats``)."""
     srv = fake(
         lambda r: entry_reply(BODY, dtype="float32", shape="8,8", extra="Set-Cookie: s=1\r\n")
     )
     c = client_factory(srv.url, model="m", dtype="float32")
     assert c.get("h") is not None
+    c.delete("h")
     assert c.get("h") is not None
-    assert len(srv.requests) == 2
+    c.delete("h")
+    assert [r.method for r in srv.requests] == ["GET", "DELETE", "GET", "DELETE"]
     assert all("cookie" not in {k.lower() for k in r.headers} for r in srv.requests)

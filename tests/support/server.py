@@ -20,6 +20,11 @@ def free_port() -> int:
         return port
 
 
+#: The interpreter that runs the server: this one, or the server's own venv where the
+#: tests run elsewhere (the SDK's tests at its dependency floor, ``make sdk-floor-tests``).
+SERVER_PYTHON = os.environ.get("EC_SERVER_PYTHON", sys.executable)
+
+
 class ServerProcess:
     """``python -m app`` (or another ``module`` that reads ``EC_HOST``/``EC_PORT``, with
     ``args``) with ``EC_*`` settings; ``start``/``stop``/``kill`` by PID."""
@@ -33,7 +38,7 @@ class ServerProcess:
         args: tuple[str, ...] = (),
         **settings: str | int,
     ) -> None:
-        self.command = [sys.executable, "-m", module, *args]
+        self.command = [SERVER_PYTHON, "-m", module, *args]
         self.data_dir = data_dir
         self.log_path = log_path
         self.port = int(settings.pop("port", 0)) or free_port()

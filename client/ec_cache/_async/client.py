@@ -94,8 +94,8 @@ class AsyncClient(ClientBase):
             timeout=self._timeout(),
             headers=_core.default_headers(token, dict(headers) if headers else None),
             follow_redirects=False,
+            cookies=_core.DiscardingCookieJar(),
         )
-        _core.without_cookies(self._http)
         self._mapper = AsyncMapper(self.limits.concurrency)
         # requests go straight to the SDK's transport (see ``_send``)
         self._transport = transport if isinstance(transport, AsyncTransport) else None
