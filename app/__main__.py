@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from app.allocator import keep_freed_memory
-from app.connections import ConnectionLimits, guarded_protocol
+from app.http_protocol import uvicorn_options
 from app.logs import logging_config
 from app.main import ConfigurationError, create_app
 from app.settings import Settings
@@ -79,8 +79,8 @@ def server_options(
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        # httptools, with connection deadlines and a bound
-        "http": guarded_protocol(ConnectionLimits.from_settings(settings), registry),
+        # httptools, with connection deadlines and a bound (app.http_protocol)
+        **uvicorn_options(settings, registry),
         "ws": "none",  # no WebSocket routes: an Upgrade request stays a plain HTTP request
         "log_config": log_config,
         "access_log": False,  # app.middleware writes access lines with request ids

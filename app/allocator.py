@@ -1,6 +1,6 @@
 """The C allocator's thresholds, set once at start-up for a server that moves large bodies.
 
-An upload's body reaches the app in pieces of up to 1 MiB (``app.protocol``'s read
+An upload's body reaches the app in pieces of up to 1 MiB (``app.http_protocol``'s read
 buffers). glibc serves blocks of that size with a fresh ``mmap`` (the default threshold
 is 128 KiB, adjusted upwards only for the largest block freed so far) and hands freed
 heap memory back to the kernel once 128 KiB lie free at its top, so every piece of

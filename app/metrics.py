@@ -294,12 +294,12 @@ class UploadQueueMetrics:
         )
 
 
-#: Why ``app.connections`` closes a connection (the label values of its counter).
+#: Why ``app.http_protocol.guarded`` closes a connection (the label values of its counter).
 CONNECTION_DROP_REASONS = ("limit", "idle", "header_timeout", "send_timeout")
 
 
 class ConnectionMetrics:
-    """Open connections and those dropped by ``app.connections``' bounds."""
+    """Open connections and those dropped by ``app.http_protocol.guarded``' bounds."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.open = Gauge("ec_connections_open", "Open HTTP connections.", registry=registry)

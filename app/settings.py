@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     #: No upload body takes longer than this, however fast it still goes (408).
     upload_timeout: float = Field(default=300.0, gt=0)
     max_header_bytes: ByteSize = Field(default=16 * 1024, ge=1024)
-    # connections (see app/connections.py)
+    # connections (see app/http_protocol/guarded.py)
     #: Open connections beyond this are answered 503 and closed at once.
     max_connections: int = Field(default=4096, ge=1)
     #: A connection with no request in progress (a new one too) is closed after this.

@@ -459,7 +459,7 @@ def test_an_upload_read_in_many_pieces_then_the_next_request_on_its_connection(
     server: ServerProcess,
 ) -> None:
     """A PUT body sent in small writes (most of it is counted off past the HTTP parser,
-    see ``app.protocol``), its last bytes in one write with a GET pipelined behind
+    see ``app.http_protocol``), its last bytes in one write with a GET pipelined behind
     them: both are answered on the connection, the GET with the body stored."""
     data = body((3_000_000,), "U8", 1, seed=7)
     target = entry_url("many-pieces", "uint8")

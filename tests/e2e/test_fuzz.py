@@ -37,7 +37,7 @@ def test_no_generated_request_makes_a_server_error(server: ServerProcess) -> Non
             response = case.call(base_url=server.url, timeout=30)
             assert response.status_code < 500, (label, case.path_parameters, response.text[:300])
             if response.status_code >= 400 and case.method.upper() != "HEAD":
-                # Also what the HTTP parser refuses before the app sees it (app.protocol).
+                # Also what the HTTP parser refuses before the app sees it (app.http_protocol).
                 assert "error" in response.json(), (label, response.status_code, response.text)
 
         check()

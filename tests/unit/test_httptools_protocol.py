@@ -1,4 +1,4 @@
-"""``app/protocol.py``: a response's head leaves with small first body bytes, in one
+"""``app/http_protocol/httptools_protocol.py``: a response's head leaves with small first body bytes, in one
 write; an upload's body is read into buffers that are handed to the app.
 
 uvicorn's own protocol class (subclassed by the project) is fed raw requests over a
@@ -15,7 +15,11 @@ import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from app.protocol import BODY_BUFFER_BYTES, WITH_HEAD_BYTES, ECHttpToolsProtocol
+from app.http_protocol.httptools_protocol import (
+    BODY_BUFFER_BYTES,
+    WITH_HEAD_BYTES,
+    ECHttpToolsProtocol,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -151,7 +155,7 @@ async def test_a_closing_response_sends_its_head_first() -> None:
 
 
 async def test_a_put_is_written_as_uvicorn_writes_it() -> None:
-    """PUTs keep uvicorn's writes (``app.connections`` wraps their transport)."""
+    """PUTs keep uvicorn's writes (``app.http_protocol.guarded`` wraps their transport)."""
     request = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
     transport = await serve(app_answering(), request)
     assert transport.writes == [head(), b"hello"]

@@ -4,7 +4,7 @@ uvicorn's httptools protocol bounds none of these itself: a connection that neve
 a request, a request head trickled a byte at a time (slowloris) and a client that stops
 reading a response are all held for as long as the client likes, and so are the upload
 or download slot, the task and the mmap'd file behind them. ``GuardedHttpProtocol``
-(on top of ``app.protocol``'s JSON 400s and held response heads) adds, per connection
+(on top of ``httptools_protocol``'s JSON 400s and held response heads) adds, per connection
 and with no task of its own (loop timers only):
 
 * a bound on open connections (``EC_MAX_CONNECTIONS``): one more is answered 503
@@ -45,8 +45,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from app.http_protocol.httptools_protocol import ECHttpToolsProtocol
 from app.metrics import ConnectionMetrics
-from app.protocol import ECHttpToolsProtocol
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def _json_response(status: int, code: str, message: str, extra: bytes = b"") -> 
 
 
 class GuardedHttpProtocol(ECHttpToolsProtocol):
-    """uvicorn's httptools protocol (as ``app.protocol`` changes it) and the
+    """uvicorn's httptools protocol (as ``httptools_protocol`` changes it) and the
     deadlines and bound of the module docstring.
 
     Use ``guarded_protocol`` to get a subclass bound to limits and metrics."""

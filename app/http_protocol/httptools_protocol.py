@@ -10,7 +10,7 @@
   a response as soon as the app starts it, then the body: two writes, so the client is
   woken for a head it cannot use without the body, and (on a shared core) the server
   waits while it parses it. A read-through's first bytes (up to 64 KiB) come right
-  after its head. For every request but a PUT (whose transport ``app.connections``
+  after its head. For every request but a PUT (whose transport ``guarded``
   wraps for its lingering close) the head is held until the first body write; if that
   is at most ``WITH_HEAD_BYTES`` the two leave in one write, as nginx sends a header
   with its body (``tcp_nopush``). A response that ends with no body write (HEAD, an
@@ -90,7 +90,7 @@ class ECHttpToolsProtocol(HttpToolsProtocol):
         """``_BodyReader``'s: ``piece`` of the body was read into its buffer."""
         cycle = self.cycle
         if cycle.response_complete:  # answered early: the rest is the HTTP protocol's
-            self._switch_protocol(self)  # to discard (``app.connections`` lingers)
+            self._switch_protocol(self)  # to discard (``guarded`` lingers)
             self.data_received(bytes(piece))
             return
         self.on_body(piece)
