@@ -6,8 +6,9 @@ call is made: it counts and times it, maps its failure onto :class:`S3Error` /
 :class:`S3Unavailable` (``errors``) and answers ``None`` for a missing object where the
 caller allows it. Every call is a boto3 call except two that skip boto3's per-call
 pipeline: the read path's GET (:meth:`open`), which ``loop_get`` makes on the event loop
-(``signed_get`` on boto3's connection pool where the endpoint is behind a proxy), and
-the single-part upload (``signed_put``, on boto3's connection pool).
+(``signed_get`` on a botocore connection pool where the endpoint is behind a proxy), and
+the single-part upload (``signed_put``, on that pool). ``http_session`` makes that pool
+as botocore makes the boto3 client's; ``signing`` signs for all three.
 
 After an :class:`S3Unavailable`, calls fail fast for ``EC_S3_UNAVAILABLE_COOLDOWN``
 seconds (a tiny circuit breaker) so a dead endpoint costs each request no more than one
@@ -41,10 +42,11 @@ from app.metrics import S3Metrics
 from app.settings import Settings
 from app.tiers.base import Chunk
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
+from app.tiers.s3.http_session import s3_transport
 from app.tiers.s3.loop_get import LoopGet
 from app.tiers.s3.signed_get import SignedGet
 from app.tiers.s3.signed_put import SignedPut
-from app.tiers.s3.sigv4 import GetSigner
+from app.tiers.s3.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -259,17 +261,18 @@ class S3Client:
             "response_checksum_validation": "when_required",
             "user_agent_extra": "ec-cache",
         }
+        config = Config(
+            connect_timeout=settings.s3_connect_timeout,
+            read_timeout=settings.s3_read_timeout,
+            retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
+            **common,
+        )
         #: The boto3 client (thread-safe); call it only through :meth:`call`.
         self.client: Any = session.client(
             "s3",
             endpoint_url=settings.s3_endpoint_url,
             verify=settings.s3_verify_tls,
-            config=Config(
-                connect_timeout=settings.s3_connect_timeout,
-                read_timeout=settings.s3_read_timeout,
-                retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
-                **common,
-            ),
+            config=config,
         )
         #: Readiness probes: one attempt, short timeouts, so /readyz answers within ~3 s
         #: even when the endpoint is a black hole.
@@ -284,16 +287,16 @@ class S3Client:
                 **common,
             ),
         )
-        #: The read path's GET (``open``): on the event loop, or on boto3's transport
+        transport = s3_transport(self.client.meta.endpoint_url, settings.s3_verify_tls, config)
+        signer = Signer(
+            transport, self.bucket, settings.s3_region, config, session.get_credentials()
+        )
+        #: The read path's GET (``open``): on the event loop, or on botocore's transport
         #: where a proxy stands between us and the endpoint.
-        credentials = session.get_credentials()
-        signer = GetSigner(self.client, self.bucket, credentials)
         self._get: LoopGet | SignedGet
-        if self.client._endpoint.http_session._proxy_config.proxy_url_for(
-            self.client.meta.endpoint_url
-        ):
+        if transport.proxy_url:
             self._get = SignedGet(
-                self.client,
+                transport.session,
                 signer,
                 settings.s3_max_attempts,
                 self.executor,
@@ -301,14 +304,12 @@ class S3Client:
             )
         else:
             self._get = LoopGet(
-                self.client,
-                signer,
-                settings.s3_max_attempts,
-                settings.s3_get_chunk_size,
+                transport, config, signer, settings.s3_max_attempts, settings.s3_get_chunk_size
             )
-        #: Every single-part upload (``transfers``): boto3's request on its pool,
-        #: without its per-call pipeline. A streaming upload's body gets one attempt.
-        self.signed_put = SignedPut(self.client, self.bucket, credentials, settings.s3_max_attempts)
+        #: Every single-part upload (``transfers``): boto3's request, without its per-call
+        #: pipeline. A streaming upload's body gets one attempt.
+        self.signed_put = SignedPut(transport.session, signer, settings.s3_max_attempts)
+        self._transport = transport
         self._lock = threading.Lock()
         self._unavailable_until = 0.0
         self._last_unavailable: str | None = None
@@ -540,6 +541,7 @@ class S3Client:
         self.executor.shutdown(wait=False, cancel_futures=True)
         if isinstance(self._get, LoopGet):
             self._get.close()
+        self._transport.session.close()
         for client in (self.client, self.probe_client):
             try:
                 client.close()

@@ -7,8 +7,8 @@ the request is written and the answer read on the event loop itself: httptools (
 the parser uvicorn uses) parses its head, and the body is received straight into the
 chunks the consumer gets, with no thread and no copy in between.
 
-What it keeps of the boto3 client: the SigV4 signature (``sigv4.GetSigner``), the
-endpoint, the TLS verification and CA bundle of its transport, the connect and read
+What it shares with the boto3 client: the SigV4 signature (``signing.Signer``), the
+endpoint and TLS verification (``http_session.S3Transport``), the connect and read
 timeouts, and ``EC_S3_MAX_POOL_CONNECTIONS`` as the number of idle connections kept
 alive for reuse. An endpoint reached through a proxy is read with ``signed_get`` instead
 (``S3Client`` decides).
@@ -25,16 +25,18 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+from botocore.config import Config
 from botocore.httpsession import get_cert_path
 
 from app.tiers.base import Chunk
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retry_delay
+from app.tiers.s3.http_session import S3Transport
 from app.tiers.s3.signed_get import FIRST_READ_BYTES, READ_AHEAD
-from app.tiers.s3.sigv4 import GetSigner
+from app.tiers.s3.signing import Signer
 
 #: The buffer an answer's head is received into (and parsed from).
 HEAD_BUFFER_BYTES = 64 * 1024
@@ -309,31 +311,30 @@ class LoopBody:
 
 
 class LoopGet:
-    """GETs signed by ``signer``, sent with the boto3 ``client``'s transport settings,
-    bodies handed over in chunks of up to ``chunk_size`` bytes. Its kept-alive connections
-    belong to the event loop that opened them: use it from one loop (the server's)."""
+    """GETs signed by ``signer``, sent to ``transport``'s endpoint with the timeouts and
+    pool size of the boto3 client's ``config``, bodies handed over in chunks of up to
+    ``chunk_size`` bytes. Its kept-alive connections belong to the event loop that
+    opened them: use it from one loop (the server's)."""
 
     def __init__(
         self,
-        client: Any,
-        signer: GetSigner,
+        transport: S3Transport,
+        config: Config,
+        signer: Signer,
         max_attempts: int,
         chunk_size: int,
     ) -> None:
         self._signer = signer
-        self._endpoint = signer.endpoint
+        self._endpoint = transport.endpoint
         self._max_attempts = max_attempts
         self._chunk_size = chunk_size
-        config = client.meta.config
         self._connect_timeout: float = config.connect_timeout
         self.read_timeout: float = config.read_timeout
         self._max_idle: int = config.max_pool_connections
         parts = urlsplit(self._endpoint)
         https = parts.scheme == "https"
         self._address = (parts.hostname or "", parts.port or (443 if https else 80))
-        # botocore's transport has no public accessor; its ``_verify`` is what the client
-        # made of ``verify=`` (EC_S3_VERIFY_TLS).
-        self._ssl = _tls_context(client._endpoint.http_session._verify) if https else None
+        self._ssl = _tls_context(transport.verify) if https else None
         self._idle: list[_Connection] = []
 
     async def open(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
@@ -352,8 +353,8 @@ class LoopGet:
                 await asyncio.sleep(delay)
 
     async def _open_once(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
-        signed = self._signer.request(key)
-        lines = [f"GET {signed.path} HTTP/1.1", f"Host: {self._signer.host}"]
+        signed = self._signer.get(key)
+        lines = [f"GET {signed.path} HTTP/1.1"]
         lines += [f"{name}: {value}" for name, value in signed.headers.items()]
         request = ("\r\n".join(lines) + "\r\nUser-Agent: ec-cache\r\n\r\n").encode("latin-1")
         want = min(FIRST_READ_BYTES, self._chunk_size)

@@ -1,4 +1,4 @@
-"""The read path's GET on botocore's transport: one SigV4-signed request on boto3's own
+"""The read path's GET on botocore's transport: one SigV4-signed request on a botocore
 connection pool, its body read on the S3 thread pool. ``S3Client`` uses it where the
 endpoint is reached through a proxy; everywhere else ``loop_get`` reads on the event loop.
 
@@ -8,11 +8,10 @@ per call on its request pipeline (parameter validation, endpoint rules, event ho
 response parsing), as much as the whole request costs S3 for a small object. This GET
 keeps what matters from botocore and drops the rest:
 
-* signing: ``sigv4.GetSigner`` (what botocore's ``S3SigV4Auth`` signs, with the
-  session's credentials frozen per request), shared with ``loop_get``;
-* transport: the boto3 client's own ``URLLib3Session`` (TLS verification and CA
-  bundle, proxies, timeouts, pool size, keep-alive as configured), so both share one
-  connection pool, and its exceptions are botocore's;
+* signing: ``signing.Signer`` (botocore's ``S3SigV4Auth``), shared with ``loop_get``;
+* transport: ``http_session``'s ``URLLib3Session``, made as the boto3 client's is (TLS
+  verification and CA bundle, proxies, timeouts, pool size, keep-alive as configured),
+  so its exceptions are botocore's;
 * errors: a non-200 answer becomes a botocore ``ClientError`` (code and message from
   S3's XML error document), so ``errors.map_error`` maps it like any boto3 failure;
 * retries: ``errors.retried`` (botocore's "standard" mode) up to
@@ -33,9 +32,10 @@ from concurrent.futures import Executor
 from typing import Any
 
 from botocore.awsrequest import AWSRequest
+from botocore.httpsession import URLLib3Session
 
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retried
-from app.tiers.s3.sigv4 import GetSigner
+from app.tiers.s3.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +48,18 @@ READ_AHEAD = 2
 
 
 class SignedGet:
-    """GETs signed by ``signer``, sent on the boto3 ``client``'s connection pool, their
+    """GETs signed by ``signer``, sent on ``http`` (a botocore ``URLLib3Session``), their
     bodies read on ``executor`` in chunks of up to ``chunk_size`` bytes."""
 
     def __init__(
         self,
-        client: Any,
-        signer: GetSigner,
+        http: URLLib3Session,
+        signer: Signer,
         max_attempts: int,
         executor: Executor,
         chunk_size: int,
     ) -> None:
-        # botocore keeps its HTTP session on the client's endpoint; there is no public
-        # accessor. Using it keeps one pool and one set of transport settings.
-        self._http = client._endpoint.http_session
+        self._http = http
         self._signer = signer
         self._max_attempts = max_attempts
         self._executor = executor
@@ -87,7 +85,7 @@ class SignedGet:
             raise
 
     def _get_once(self, key: str) -> tuple[Mapping[str, str], Any]:
-        signed = self._signer.request(key)
+        signed = self._signer.get(key)
         prepared = AWSRequest(method="GET", url=signed.url, headers=signed.headers).prepare()
         prepared.stream_output = True
         response = self._http.send(prepared)

@@ -1,5 +1,6 @@
 """The single-part upload (``PutObject``) on botocore's transport: one request signed by
-botocore's ``S3SigV4Auth``, sent on boto3's own connection pool.
+botocore's ``S3SigV4Auth`` (``signing``), sent on a botocore connection pool
+(``http_session``).
 
 Every write-back upload, every write-through PUT below the multipart threshold and every
 small object goes through here. boto3's ``put_object`` spends about 1 ms of CPU per call
@@ -9,13 +10,13 @@ cached file, 3.6 ms of process CPU through ``put_object`` against 2.8 ms through
 This PUT keeps what matters from botocore and drops the rest:
 
 * the request is the one boto3 sends (same headers, checksum and metadata), signed by
-  botocore's ``S3SigV4Auth`` with the client's own configuration (payload signing off:
+  botocore's ``S3SigV4Auth`` with the client's configuration (payload signing off:
   ``UNSIGNED-PAYLOAD``; the CRC32C header, which S3 verifies, is signed). One
   difference: boto3 asks for ``100 Continue`` before every body, this PUT only before
   one above ``EXPECT_CONTINUE_ABOVE``, where not sending a refused body is worth a
   round trip;
-* transport: the boto3 client's ``URLLib3Session`` (TLS, proxies, timeouts, pool),
-  so its exceptions are botocore's;
+* transport: a ``URLLib3Session`` made as the boto3 client's is (TLS, proxies,
+  timeouts, pool size), so its exceptions are botocore's;
 * errors: a non-2xx answer becomes the ``ClientError`` boto3 raises
   (``errors.client_error``), so ``errors.map_error`` maps it like any boto3 failure;
 * retries: ``errors.retried`` (botocore's "standard" mode) up to ``max_attempts``,
@@ -29,14 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote
 
-import botocore.exceptions as bce
-from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
+from botocore.httpsession import URLLib3Session
 
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retried
+from app.tiers.s3.signing import Signer
 
 #: A body above this size waits for ``100 Continue`` (S3's go-ahead after checking the
 #: signature and the request) before it is sent, so a refused upload is not sent whole.
@@ -44,19 +43,11 @@ EXPECT_CONTINUE_ABOVE = 1024 * 1024
 
 
 class SignedPut:
-    """Single PUTs into ``bucket`` at the boto3 ``client``'s endpoint, signed with
-    ``credentials`` (None: none found; each PUT then fails the way boto3 would)."""
+    """Single PUTs signed by ``signer``, sent on ``http`` (a botocore ``URLLib3Session``)."""
 
-    def __init__(
-        self, client: Any, bucket: str, credentials: Credentials | None, max_attempts: int
-    ) -> None:
-        # botocore keeps its HTTP session on the client's endpoint; there is no public
-        # accessor. Using it keeps one pool and one set of transport settings.
-        self._http = client._endpoint.http_session
-        self._config = client.meta.config
-        self._region: str = client.meta.region_name
-        self._base = f"{client.meta.endpoint_url.rstrip('/')}/{bucket}/"
-        self._credentials = credentials
+    def __init__(self, http: URLLib3Session, signer: Signer, max_attempts: int) -> None:
+        self._http = http
+        self._signer = signer
         self._max_attempts = max_attempts
 
     def put(
@@ -82,25 +73,18 @@ class SignedPut:
         }
         if size > EXPECT_CONTINUE_ABOVE:
             headers["Expect"] = "100-continue"
-        url = self._base + quote(key, safe="/~")
         in_memory = isinstance(body, bytes | bytearray | memoryview)
         rewindable = in_memory or body.seekable()
         start = body.tell() if rewindable and not in_memory else 0
         retried(
-            lambda: self._put_once(url, headers, body),
+            lambda: self._put_once(key, headers, body),
             self._max_attempts if rewindable else 1,
             None if in_memory else lambda: body.seek(start),
         )
 
-    def _put_once(self, url: str, headers: Mapping[str, str], body: Any) -> None:
-        if self._credentials is None:
-            raise bce.NoCredentialsError()
-        request = AWSRequest(method="PUT", url=url, headers=dict(headers), data=body)
-        # S3SigV4Auth reads the payload-signing choice from the client's configuration.
-        request.context["client_config"] = self._config
-        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(
-            request
-        )
+    def _put_once(self, key: str, headers: Mapping[str, str], body: Any) -> None:
+        signed = self._signer.put(key, headers, body)
+        request = AWSRequest(method="PUT", url=signed.url, headers=signed.headers, data=body)
         # Read whole (an answer to a PUT is empty, or a short error document), so the
         # connection goes back to the pool.
         response = self._http.send(request.prepare())
