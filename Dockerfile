@@ -1,13 +1,16 @@
 # syntax=docker/dockerfile:1.7
 #
 # ec-cache server image: the `app` package (distribution `ec-cache-server`) and its
-# runtime dependencies only. No torch, no compiler, no client SDK.
+# locked runtime dependencies (requirements.lock) only. No torch, no compiler, no SDK.
 #
-#   docker build -t ec-cache:dev .
-#   docker run --rm -p 8080:8080 -v ec-data:/data ec-cache:dev
+#   docker build -t ec-cache:0.1.0 .
+#   docker run --rm -p 127.0.0.1:8080:8080 -v ec-data:/data \
+#     -e EC_ANONYMOUS=read-write ec-cache:0.1.0
 #
 # Configuration is the server's own EC_* environment (see docs/deploy.md); the image
 # only changes EC_HOST (listen on all interfaces) and EC_DATA_DIR (/data, a volume).
+# Listening beyond loopback, the server refuses to start without tokens
+# (EC_AUTH_TOKENS) or an explicit EC_ANONYMOUS, as above.
 
 # Pinned by tag (Python 3.11 on Debian 12). To pin by digest as well, build with
 #   --build-arg PYTHON_IMAGE=python:3.11.13-slim-bookworm@sha256:<digest>
@@ -23,12 +26,14 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 
 # Only what building the server distribution needs (see .dockerignore).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY app ./app
+COPY deploy/docker/server-wheels.sh ./deploy/docker/
 
-# One wheel for the server plus one per runtime dependency (prebuilt where PyPI has
-# them). Nothing from this stage but /wheels reaches the final image.
-RUN python -m pip wheel --wheel-dir /wheels .
+# The locked wheels (hash-checked, binary only) and the server's own wheel, with the
+# lock and the install script (tests/deploy/test_image_install.py runs the same
+# script). Nothing from this stage but /wheels reaches the final image.
+RUN sh deploy/docker/server-wheels.sh build /wheels
 
 # ------------------------------------------------------------------------------ test
 # Not part of the server image: the S3 integration suite, run against MinIO by
@@ -38,7 +43,7 @@ FROM builder AS test
 # The test extra's version ranges live in pyproject.toml (the project's own pins);
 # this stage is never shipped, so DL3013 (pin every pip package here) does not apply.
 # hadolint ignore=DL3013
-RUN python -m pip install --no-index --find-links=/wheels /wheels/ec_cache_server-*.whl \
+RUN sh /wheels/server-wheels.sh install /wheels \
  && python -m pip install ".[test]"
 COPY tests ./tests
 ENTRYPOINT ["python", "-m", "pytest"]
@@ -80,13 +85,11 @@ RUN groupadd --system --gid "${GID}" ec \
  && chown "${UID}:${GID}" /data \
  && chmod 0750 /data
 
-# Install from the builder's wheels only (no index); the wheels are bind-mounted,
-# so they never become a layer of this image.
+# Install from the builder's wheels only (no index, hashes of requirements.lock),
+# then check the result (imports, no torch): deploy/docker/server-wheels.sh. The
+# wheels are bind-mounted, so they never become a layer of this image.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python -m pip install --no-cache-dir --no-index --find-links=/wheels \
-        /wheels/ec_cache_server-*.whl \
- && python -c "import app, fastapi, uvicorn, boto3, awscrt, google_crc32c" \
- && ! python -c "import torch" 2>/dev/null
+    sh /wheels/server-wheels.sh install /wheels
 
 COPY --chmod=0755 deploy/docker/healthcheck.py /usr/local/bin/ec-cache-healthcheck
 

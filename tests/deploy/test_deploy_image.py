@@ -80,8 +80,13 @@ def test_runtime_stage_has_no_build_tools_or_torch() -> None:
     runtime = _runtime()
     text = "\n".join(f"{i} {a}" for i, a in runtime)
     assert not re.search(r"apt-get|apk |gcc|g\+\+|build-essential|make ", text)
-    assert "import torch" in text and "! python -c" in text  # the build proves torch absent
-    assert "--no-index" in text  # installs only the builder's wheels
+    # The install is the script the builder puts beside the wheels (test_image_install.py
+    # runs it): no index, the lock's hashes, and the build proves torch absent.
+    assert "sh /wheels/server-wheels.sh install /wheels" in text
+    script = (ROOT / "deploy" / "docker" / "server-wheels.sh").read_text()
+    install = script[script.index("install)") :]
+    assert "--no-index" in install and "--require-hashes" in install
+    assert 'python -c "import torch"' in install
     copies = [a for i, a in runtime if i in {"COPY", "ADD"}]
     assert all(i != "ADD" for i, _ in runtime)
     # Only the healthcheck script comes from the build context; the rest from wheels.
@@ -89,8 +94,9 @@ def test_runtime_stage_has_no_build_tools_or_torch() -> None:
         "--chmod=0755 deploy/docker/healthcheck.py /usr/local/bin/ec-cache-healthcheck"
     ]
     builder = dockerfile_stages()[1]
-    wheel = [a for i, a in builder if i == "RUN" and "pip wheel" in a]
-    assert wheel and wheel[0].rstrip().endswith(" ."), "builder must build the root project"
+    build = [a for i, a in builder if i == "RUN"]
+    assert build == ["sh deploy/docker/server-wheels.sh build /wheels"]
+    assert "--require-hashes --only-binary=:all:" in script
 
 
 def test_runtime_stage_user_env_volume_entrypoint() -> None:

@@ -72,3 +72,14 @@ def test_declared_ranges_start_at_the_locked_versions() -> None:
         assert floors[0].release == pinned.release[: len(floors[0].release)], (
             f"{dependency}: the floor is not the locked {pinned}"
         )
+
+
+def test_the_deploy_guide_names_the_locked_versions() -> None:
+    """docs/deploy.md says which versions the image ships: they must be the lock's."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    section = text[text.index("### What the image ships") : text.index("### Upgrading")]
+    pins = locked()
+    named = re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)(?:/[A-Za-z0-9_.-]+)?\s+(\d+\.\d+\.\d+)", section)
+    assert len(named) >= 8, named
+    for name, stated in named:
+        assert pins[canonicalize_name(name)] == Version(stated), f"{name} {stated}"
