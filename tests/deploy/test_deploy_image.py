@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.deploy.tooling import ROOT, dockerfile_stages, run, server_env_vars, tool
 
@@ -253,3 +254,21 @@ def test_healthcheck_fails_when_nothing_listens() -> None:
 def test_healthcheck_is_stdlib_only() -> None:
     imports = re.findall(r"^(?:import|from) (\w+)", HEALTHCHECK.read_text(), re.MULTILINE)
     assert set(imports) <= {"__future__", "os", "sys", "urllib"}
+
+
+def test_chart_and_docs_point_at_the_image_this_builds() -> None:
+    """One version: the server distribution's, the image's VERSION label, the chart's
+    appVersion (its default image tag, repository ``ec-cache``) and the tag the Dockerfile
+    and docs/deploy.md build and run."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version
+    tag = f"ec-cache:{version.group(1)}"
+    assert _args(_runtime())["VERSION"] == version.group(1)
+    chart = yaml.safe_load((ROOT / "helm" / "ec-cache" / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version.group(1)
+    values = yaml.safe_load((ROOT / "helm" / "ec-cache" / "values.yaml").read_text())
+    assert (values["image"]["repository"], values["image"]["tag"]) == ("ec-cache", "")
+    for doc in ("Dockerfile", "docs/deploy.md"):
+        text = (ROOT / doc).read_text()
+        assert f"docker build -t {tag}" in text, doc
+        assert re.search(rf"docker run [^\n]*(\\\n[^\n]*)*{re.escape(tag)}", text), doc
