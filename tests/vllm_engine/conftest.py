@@ -87,7 +87,7 @@ def engine_python() -> Path:
 def tiny_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("model")
     subprocess.run(
-        [engine_python, "-m", "tests.vllm_engine.tiny_model", root / "tiny-qwen2-vl"],
+        [engine_python, "-m", "testkit.qwen2vl", root / "tiny-qwen2-vl"],
         cwd=ROOT,
         env=engine_env(root / "tmp"),
         check=True,

@@ -1,17 +1,24 @@
-"""A tiny Qwen2-VL with random weights, built offline (no download).
+"""Qwen2-VL models with random weights, built offline (no download), for a real vLLM
+engine on the CPU. The weights are random but seeded: every build gives the same model.
 
-One vision block, two text layers, hidden size 128, and a byte-level BPE tokenizer
-with the Qwen special tokens, so that a real vLLM engine loads it in seconds on the
-CPU. The weights are random but seeded: every build gives the same model.
+* ``tiny`` (tests/vllm_engine): one vision block, two text layers, hidden size 128;
+  loads and answers in seconds. Its encoder is a small share of a request's work.
+* ``bench`` (bench/serve.py): a vision tower that costs about as much of an image
+  prompt's prefill as real ones do of theirs relative to their language model
+  (bench/README.md states the measured share), and images of 16 to 64 encoder tokens.
 
-    python -m tests.vllm_engine.tiny_model DIR
+Both use a byte-level BPE tokenizer with the Qwen special tokens.
+
+    python -m testkit.qwen2vl DIR [--profile tiny|bench]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -36,9 +43,46 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Images are resized to between 56x56 and 112x112 pixels: 4 to 16 encoder tokens each.
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 112 * 112
+
+@dataclass(frozen=True)
+class Profile:
+    text: dict[str, Any]  # Qwen2VLConfig.text_config, beyond the token ids
+    vision: dict[str, Any]  # Qwen2VLConfig.vision_config
+    min_pixels: int  # images are resized to between these pixel counts
+    max_pixels: int
+
+
+PROFILES = {
+    # 56x56 to 112x112 pixels: 4 to 16 encoder tokens an image.
+    "tiny": Profile(
+        text={
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            # halves of the head's rotary dimensions for time, height, width
+            "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6]},
+        },
+        vision={"depth": 1, "embed_dim": 64, "num_heads": 2, "mlp_ratio": 2},
+        min_pixels=56 * 56,
+        max_pixels=112 * 112,
+    ),
+    # 112x112 to 224x224 pixels: 16 to 64 encoder tokens of 512 floats an image.
+    "bench": Profile(
+        text={
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [8, 12, 12]},
+        },
+        vision={"depth": 8, "embed_dim": 448, "num_heads": 7, "mlp_ratio": 4},
+        min_pixels=112 * 112,
+        max_pixels=224 * 224,
+    ),
+}
 
 
 def _tokenizer(path: Path) -> None:
@@ -65,8 +109,8 @@ def token_id(name: str) -> int:
     return 256 + SPECIAL_TOKENS.index(name)
 
 
-def build(path: Path) -> Path:
-    """Write the model to ``path`` (config, weights, tokenizer, processor)."""
+def build(path: Path, profile: str = "tiny") -> Path:
+    """Write the ``profile`` model to ``path`` (config, weights, tokenizer, processor)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -77,28 +121,21 @@ def build(path: Path) -> Path:
         Qwen2VLVideoProcessor,
     )
 
+    sizes = PROFILES[profile]
     path.mkdir(parents=True, exist_ok=True)
     _tokenizer(path)
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": VOCAB_SIZE,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
+            **sizes.text,
             "max_position_embeddings": 2048,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6]},
             "bos_token_id": token_id("<|endoftext|>"),
             "eos_token_id": token_id("<|im_end|>"),
             "pad_token_id": token_id("<|endoftext|>"),
         },
         vision_config={
-            "depth": 1,
-            "embed_dim": 64,
-            "hidden_size": 128,
-            "num_heads": 2,
-            "mlp_ratio": 2,
+            **sizes.vision,
+            "hidden_size": sizes.text["hidden_size"],
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
@@ -120,7 +157,9 @@ def build(path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
 
     processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        image_processor=Qwen2VLImageProcessor(
+            min_pixels=sizes.min_pixels, max_pixels=sizes.max_pixels
+        ),
         tokenizer=AutoTokenizer.from_pretrained(path),
         video_processor=Qwen2VLVideoProcessor(),
         chat_template=CHAT_TEMPLATE,
@@ -133,4 +172,8 @@ def build(path: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(description="Build a random-weight Qwen2-VL offline.")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="tiny")
+    args = parser.parse_args()
+    print(build(args.path, args.profile))
