@@ -76,6 +76,18 @@ _Signature = tuple[int, int, int, int]
 SPACE_SLACK_BYTES = 1024 * 1024
 
 
+def _iov_max() -> int:
+    """The most buffers one ``writev`` takes (more: EINVAL); 1024 on Linux."""
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        return 1024
+    return limit if limit > 0 else 1024
+
+
+IOV_MAX = _iov_max()
+
+
 def _signature(st: os.stat_result) -> _Signature:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -179,18 +191,21 @@ class PendingWrite:
         self.fd, self.path = fd, Path(name)
 
     def write(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Append ``chunks``. On a full file system, evict least recently used entries
-        once per batch, and only when the rest of the body can fit once they are gone:
-        a body that cannot fit is refused (507) with every entry left in place."""
+        """Append ``chunks``, at most ``IOV_MAX`` of them per ``writev`` (a body received
+        in small pieces hands over thousands per batch). On a full file system, evict
+        least recently used entries once per batch, and only when the rest of the body
+        can fit once they are gone: a body that cannot fit is refused (507) with every
+        entry left in place."""
         views = [memoryview(chunk) for chunk in chunks]
+        first = 0  # views before it are written
         evicted = False
-        while views:
+        while first < len(views):
             try:
-                n = os.writev(self.fd, views)
+                n = os.writev(self.fd, views[first : first + IOV_MAX])
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                needed = max(self.remaining, sum(len(view) for view in views))
+                needed = max(self.remaining, sum(len(view) for view in views[first:]))
                 if evicted or not self.tier._make_room(self, needed):
                     raise InsufficientStorage(
                         f"the disk tier's file system is full ({exc.strerror})"
@@ -201,11 +216,11 @@ class PendingWrite:
                 start_writeback(self.fd, self.written, n)
             with self.tier._lock:
                 self.written += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+            while first < len(views) and n >= len(views[first]):
+                n -= len(views[first])
+                first += 1
+            if n:
+                views[first] = views[first][n:]
 
     def submit(
         self, crc: int, header: TensorHeader, staged: Sequence[StagedFile] = ()

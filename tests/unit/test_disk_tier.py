@@ -261,6 +261,42 @@ def _begin(tier: DiskTier, name: str, data: bytes) -> PendingWrite:
     return pending
 
 
+def test_a_batch_of_more_pieces_than_iov_max_is_written_whole(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body received in small pieces hands thousands to one write: they go out
+    IOV_MAX at a time (more: EINVAL), short writes resumed. Pieces of 1 MiB go out in
+    one writev."""
+    iov_max = os.sysconf("SC_IOV_MAX")
+    calls: list[int] = []
+    real = os.writev
+    short = True
+
+    def counting(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        return real(fd, buffers[:3] if short and len(buffers) > 3 else buffers)
+
+    monkeypatch.setattr(os, "writev", counting)
+    data = body((9000,), "U8", 1, seed=3)
+    pieces = [data[i : i + 3] for i in range(0, len(data), 3)]
+    assert len(pieces) > 2 * iov_max
+    pending = tier.begin_write(_key("pieces"), len(data))
+    pending.write(pieces)
+    assert max(calls) <= iov_max
+    assert pending.commit(crc32c(data), validate_body(data, "uint8")) is True
+    assert _read(tier, "pieces") == data
+
+    calls.clear()
+    short = False
+    big = DiskTier(tier.root / "big", max_bytes=10 * 1024 * 1024)
+    big.rebuild()
+    pending = big.begin_write(_key("big"))
+    pending.write([bytes(1024 * 1024)] * 4)
+    assert calls == [4] and pending.written == 4 * 1024 * 1024
+    pending.abort()
+    big.close()
+
+
 def test_group_commit_one_batch_for_uploads_in_flight(tmp_path: Path) -> None:
     """With a commit delay, the committer waits for the temp files still being written:
     uploads finishing together share one batch (one fsync per directory)."""
