@@ -226,8 +226,10 @@ class PendingWrite:
         self, crc: int, header: TensorHeader, staged: Sequence[StagedFile] = ()
     ) -> Future[bool]:
         """Hand the file to the group commit; the future says whether it was published
-        (False, nothing stored: the key already exists) once its batch is committed (and
-        the file durable, if ``durable``), or raises.
+        once its batch is committed (and the file durable, if ``durable``), or raises.
+        False (nothing stored): the key's entry exists and is readable, that of an
+        earlier upload of the same batch once published; if that one fails, this one
+        is committed instead.
         ``staged`` files (a write-back journal record) are made durable and renamed
         into place, in the same batch, before the entry is published."""
         self.done = True
@@ -668,29 +670,46 @@ class DiskTier:
 
     def _commit_batch(self, batch: list[_Commit]) -> None:
         """Make a batch of finished uploads durable, then publish them (committer
-        thread). Order: (1) wait for the ``fdatasync`` of every temp file and journal
-        record, started in parallel when each was handed over; (2) rename
-        the records, ``fsync`` their directory once; (3) append the key lines, rename the
-        entries into ``objects/``, ``fsync`` each directory touched once; (4) publish
-        the entries in the index and answer. A failure fails only the commits it
-        touched, and what they left is removed; nothing is visible before step 4.
-        Entries that are not ``durable`` skip the syncs of steps 1 and 3 (a new shard
-        directory is synced all the same: later entries, durable ones too, go there)."""
-        started = time.perf_counter()
-        jobs: list[_Commit] = []
-        claimed: set[str] = set()
+        thread), in rounds: each publishes the first upload of each key (see
+        ``_commit_round``); the others of that key wait for it, and are answered False
+        only once it is published (readable), or take its place in another round if
+        it failed (what their PUT's client expects: a valid body stored)."""
         for job in batch:
             if job.data is not None:  # never close a file while it is being synced
                 with contextlib.suppress(OSError):
                     job.data.result()
+        jobs = []
         for job in batch:
-            if not job.future.set_running_or_notify_cancel():
+            if job.future.set_running_or_notify_cancel():
+                jobs.append(job)
+            else:
                 job.discard()  # its PUT went away before the batch started
-                continue
+        while jobs:
+            jobs = self._commit_round(jobs)
+
+    def _commit_round(self, batch: list[_Commit]) -> list[_Commit]:
+        """Commit the first upload of each key of ``batch`` not yet stored; return the
+        others of the keys whose first upload failed. Order: (1) wait for the
+        ``fdatasync`` of every temp file and journal record, started in parallel when
+        each was handed over; (2) rename the records, ``fsync`` their directory once;
+        (3) append the key lines, rename the entries into ``objects/``, ``fsync`` each
+        directory touched once; (4) publish the entries in the index and answer. A
+        failure fails only the commits it touched, and what they left is removed;
+        nothing is visible before step 4. Entries that are not ``durable`` skip the
+        syncs of steps 1 and 3 (a new shard directory is synced all the same: later
+        entries, durable ones too, go there)."""
+        started = time.perf_counter()
+        jobs: list[_Commit] = []
+        #: Later uploads of a key this round commits, by digest: answered after it.
+        waiting: dict[str, list[_Commit]] = {}
+        for job in batch:
             pending = job.pending
             digest = pending.key.digest
-            if digest in claimed or self.contains(pending.key):
-                job.discard()  # first writer wins: spare the fsyncs
+            if digest in waiting:
+                waiting[digest].append(job)
+                continue
+            if self.contains(pending.key):
+                job.discard()  # first writer wins (its entry is readable): spare the fsyncs
                 job.future.set_result(False)
                 continue
             if pending.written > self.max_bytes:
@@ -698,7 +717,7 @@ class DiskTier:
                     f"entry of {pending.written} bytes is larger than the disk tier "
                     f"({self.max_bytes} bytes)"
                 )
-            claimed.add(digest)
+            waiting[digest] = []
             jobs.append(job)
         # (1) the bytes: synced in parallel since each was handed over (see submit),
         # here when that was skipped (the key existed then, and is gone since)
@@ -781,12 +800,19 @@ class DiskTier:
         if jobs:
             self._commit_metrics.batch_size.observe(len(jobs))
             self._commit_metrics.seconds.observe(time.perf_counter() - started)
+        retry: list[_Commit] = []
         for job in jobs:
+            later = waiting[job.pending.key.digest]
             if job.error is not None:
                 job.discard()
                 job.future.set_exception(job.error)
-            else:
-                job.future.set_result(True)
+                retry += later
+                continue
+            job.future.set_result(True)
+            for loser in later:
+                loser.discard()
+                loser.future.set_result(False)
+        return retry
 
     def _sync_dirs(self, dirs: dict[Path, list[_Commit]]) -> None:
         """``fsync`` each directory once; a failure fails the commits that renamed
