@@ -40,6 +40,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
@@ -68,6 +69,10 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{8})\.safetensors$")
 KEYS_LOG = "keys.log"
+_KEYS_LOST = (
+    "the log is rebuilt, and the entries on disk whose keys it held are unattributed "
+    "(served, counted apart, removed by any purge)"
+)
 #: Compact keys.log when it holds this many more lines than the index has entries.
 KEYS_LOG_SLACK = 4096
 Namespace = tuple[str, str]
@@ -983,10 +988,22 @@ class DiskTier:
     # -- keys.log -------------------------------------------------------------------
 
     def _read_keys_log(self) -> dict[str, EntryKey]:
+        """The keys logged, by digest. A log that cannot be read (not a regular file,
+        an I/O error) is reported, set aside if it is in the way, and rebuilt by the
+        compaction that follows: its entries are unattributed (still served)."""
         keys: dict[str, EntryKey] = {}
+        path = self.root / KEYS_LOG
         try:
-            text = (self.root / KEYS_LOG).read_text(encoding="utf-8", errors="replace")
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                aside = path.with_name(f"{KEYS_LOG}.invalid-{time.time_ns()}")
+                os.rename(path, aside)
+                log.error("%s is not a regular file: moved to %s; %s", path, aside, _KEYS_LOST)
+                return keys
+            text = path.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
+            return keys
+        except OSError as exc:
+            log.error("cannot read %s (%s); %s", path, exc, _KEYS_LOST)
             return keys
         for line in text.splitlines():
             parts = line.split(" ")
