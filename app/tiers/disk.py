@@ -934,6 +934,11 @@ class DiskTier:
             del self._namespaces[namespace]
             del self._namespace_bytes[namespace]
 
+    def holds_namespace(self, model: str, dtype: str) -> bool:
+        """Whether entries of the namespace (model, dtype) are here."""
+        with self._lock:
+            return (model, dtype) in self._namespaces
+
     def namespaces(self) -> tuple[list[NamespaceUsage], NamespaceUsage]:
         """Usage per namespace (sorted), and that of the unattributed entries."""
         with self._lock:
