@@ -282,6 +282,12 @@ class UploadQueueMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.deletes = Counter(
+            "ec_s3_upload_queue_deletes",
+            "Write-back S3 deletes (owed by DELETEs and purges, journaled) by outcome (ok, retry).",
+            ["outcome"],
+            registry=registry,
+        )
         self.full = Counter(
             "ec_s3_upload_queue_full",
             "Write-back PUTs done as write-through because the upload queue was full.",
