@@ -120,6 +120,7 @@ def create_app(settings: Settings | None = None) -> ECApp:
         registry=metrics.registry,
     )
     metrics.watch_disk(disk.stats)
+    metrics.watch_namespaces(disk.holds_namespace, lambda: disk.namespaces()[0])
     store = Store(settings, disk, metrics, _s3_backend(settings, metrics))
 
     @asynccontextmanager

@@ -10,6 +10,7 @@ app`` through :class:`ConnectionMetrics`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # metrics import no tier: every tier may import metrics
-    from app.tiers.disk import DiskStats
+    from app.tiers.disk import DiskStats, NamespaceUsage
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -49,7 +50,7 @@ _LATENCY_BUCKETS = (
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
-#: The label values of the namespaces beyond ``EC_METRICS_NAMESPACES``.
+#: The label values of lookups in namespaces that hold nothing here (see ``Metrics``).
 OTHER_NAMESPACE = "_other"
 
 
@@ -57,26 +58,15 @@ class Metrics:
     """The server's metrics; tiers report through the objects defined here.
 
     ``namespaces`` > 0 (``EC_METRICS_NAMESPACES``) also counts lookups per namespace
-    (model, dtype), for the first ``namespaces`` namespaces seen; the rest are counted
-    under ``_other``, so the number of series stays bounded whatever clients send.
+    (model, dtype), once ``watch_namespaces`` is given the disk tier's namespaces: see
+    ``_NamespaceLookups``. Series exist only for namespaces that exist, at most
+    ``namespaces`` of them, whatever clients send.
     """
 
     def __init__(self, namespaces: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.max_namespaces = namespaces
-        self._namespaces: set[tuple[str, str]] = set()
-        self.namespace_lookups = (
-            Counter(
-                "ec_namespace_lookups",
-                "Entry reads (GET and HEAD) per namespace (model, dtype) by the tier that "
-                "answered or miss; only with EC_METRICS_NAMESPACES > 0, namespaces beyond "
-                "it counted as _other.",
-                ["model", "dtype", "result"],
-                registry=self.registry,
-            )
-            if namespaces > 0
-            else None
-        )
+        self._namespace_lookups: _NamespaceLookups | None = None
         self.requests = Counter(
             "ec_http_requests",
             "HTTP requests answered, by route, method and status.",
@@ -157,18 +147,23 @@ class Metrics:
         if series is None:
             series = self._lookup_series[result] = self.lookups.labels(result)
         series.inc()
-        if self.namespace_lookups is None:
-            return
-        namespace = (model, dtype)
-        if namespace not in self._namespaces:
-            if len(self._namespaces) >= self.max_namespaces:
-                namespace = (OTHER_NAMESPACE, OTHER_NAMESPACE)
-            else:
-                self._namespaces.add(namespace)
-        self.namespace_lookups.labels(*namespace, result).inc()
+        if self._namespace_lookups is not None:
+            self._namespace_lookups.count(model, dtype, result)
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self.registry.register(_DiskCollector(stats))
+
+    def watch_namespaces(
+        self,
+        holds: Callable[[str, str], bool],
+        usage: Callable[[], Iterable[NamespaceUsage]],
+    ) -> None:
+        """Count lookups per namespace (if ``namespaces`` > 0): ``holds(model, dtype)``
+        says whether the disk tier holds entries of a namespace, ``usage`` gives the
+        bytes of each namespace it holds."""
+        if self.max_namespaces > 0:
+            self._namespace_lookups = _NamespaceLookups(self.max_namespaces, holds, usage)
+            self.registry.register(self._namespace_lookups)
 
 
 class S3Metrics:
@@ -287,6 +282,12 @@ class UploadQueueMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.deletes = Counter(
+            "ec_s3_upload_queue_deletes",
+            "Write-back S3 deletes (owed by DELETEs and purges, journaled) by outcome (ok, retry).",
+            ["outcome"],
+            registry=registry,
+        )
         self.full = Counter(
             "ec_s3_upload_queue_full",
             "Write-back PUTs done as write-through because the upload queue was full.",
@@ -313,6 +314,63 @@ class ConnectionMetrics:
         )
         for reason in CONNECTION_DROP_REASONS:
             self.dropped.labels(reason)
+
+
+class _NamespaceLookups(Collector):
+    """``ec_namespace_lookups_total``: entry reads per namespace (model, dtype) by
+    result, bounded by what exists so that no client can crowd another out.
+
+    A read is counted under its namespace when the namespace exists: the read found
+    its entry (on disk or in S3) or the disk tier holds entries of it; a miss in a
+    namespace that holds nothing here is counted under ``_other``, so reads of
+    invented namespaces make no series. Each scrape exports, of the namespaces read,
+    the ``limit`` that hold the most bytes on this disk: a client takes a series from
+    another namespace only by storing more bytes than it. A namespace's counts are kept
+    while it holds entries here (one ranked again goes on from its count) and dropped
+    at the first scrape where it holds none, so memory stays bounded too."""
+
+    def __init__(
+        self,
+        limit: int,
+        holds: Callable[[str, str], bool],
+        usage: Callable[[], Iterable[NamespaceUsage]],
+    ) -> None:
+        self._limit = limit
+        self._holds = holds
+        self._usage = usage
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], dict[str, int]] = {}
+        self._other: dict[str, int] = {}
+
+    def count(self, model: str, dtype: str, result: str) -> None:
+        namespace = (model, dtype)
+        # The disk tier is asked (under its lock) only on a miss of a namespace not
+        # counted yet.
+        exists = result != "miss" or namespace in self._counts or self._holds(model, dtype)
+        with self._lock:
+            counts = self._counts.setdefault(namespace, {}) if exists else self._other
+            counts[result] = counts.get(result, 0) + 1
+
+    def collect(self) -> Iterable[Metric]:
+        on_disk = {(u.model, u.dtype): u.bytes for u in self._usage() if u.model and u.dtype}
+        family = CounterMetricFamily(
+            "ec_namespace_lookups",
+            "Entry reads (GET and HEAD) per namespace (model, dtype) by the tier that "
+            "answered or miss; only with EC_METRICS_NAMESPACES > 0: the namespaces that "
+            "hold the most bytes on this disk, up to that many; misses in namespaces "
+            "that hold nothing here counted as _other.",
+            labels=["model", "dtype", "result"],
+        )
+        with self._lock:
+            for namespace in [n for n in self._counts if n not in on_disk]:
+                del self._counts[namespace]
+            ranked = sorted(self._counts, key=lambda n: (-on_disk[n], n))
+            samples = [(n, dict(self._counts[n])) for n in ranked[: self._limit]]
+            samples.append(((OTHER_NAMESPACE, OTHER_NAMESPACE), dict(self._other)))
+        for (model, dtype), counts in samples:
+            for result, value in sorted(counts.items()):
+                family.add_metric([model, dtype, result], value)
+        yield family
 
 
 class _S3UpCollector(Collector):

@@ -10,10 +10,12 @@ batched ``DeleteObjects`` of up to 1000 keys. It runs in the background and is
 * **idempotent**: purging what is gone deletes nothing; a second request for a running
   job answers that job;
 * **safe under traffic**: while it runs, reads of the namespace are misses, writes
-  answer 503 with ``Retry-After`` and pending write-back uploads of it are dropped, so
-  nothing of the namespace is served, written back or re-filled behind the purge; other
-  namespaces are not touched. S3 failures are retried with backoff (the job stays
-  ``running`` and says why in ``last_error``);
+  answer 503 with ``Retry-After`` and pending write-back uploads of it are dropped (no
+  new one starts); those in flight are waited for before its objects are deleted, and
+  owe a journaled delete of their own (``app.tiers.upload_queue``), so nothing of the
+  namespace is served, written back or re-filled behind the purge; other namespaces are
+  not touched. S3 failures are retried with backoff (the job stays ``running`` and says
+  why in ``last_error``);
 * **reported**: entries and bytes removed from disk, objects deleted from S3, the cursor,
   timestamps (``GET /namespaces/purges``).
 
@@ -204,7 +206,7 @@ class Purges:
         )
 
     async def _purge(self, job: PurgeJob) -> None:
-        self._drop_uploads(job)
+        await self._settle_uploads(job)
         await self._purge_disk(job)
         if self.s3 is not None:
             dtypes = [job.dtype] if job.dtype is not None else list(DTYPES)
@@ -214,15 +216,15 @@ class Purges:
                     job.s3_dtype, job.s3_after = dtype, None
                 await self._purge_s3_prefix(self.s3, job, dtype)
             await self._settle_fills(job)
-            self._drop_uploads(job)
+            await self._settle_uploads(job)
             await self._purge_disk(job)  # what a fill in flight committed meanwhile
 
-    def _drop_uploads(self, job: PurgeJob) -> None:
-        if self.uploads is None:
-            return
-        for item in self.uploads.snapshot():
-            if job.covers(item.key.model, item.key.dtype):
-                self.uploads.discard(item.key)
+    async def _settle_uploads(self, job: PurgeJob) -> None:
+        """Drop the namespace's write-back uploads; wait for those in flight, whose
+        objects owe a journaled delete: what they store is in S3 before the namespace's
+        objects are deleted, and deleted again on its own if need be."""
+        if self.uploads is not None:
+            await self.uploads.delete_namespace(job.covers)
 
     async def _purge_disk(self, job: PurgeJob) -> None:
         entries, nbytes = await anyio.to_thread.run_sync(self.disk.purge, job.model, job.dtype)

@@ -103,8 +103,9 @@ class Settings(BaseSettings):
     #: on loopback only, else none. Set it to allow anonymous access explicitly.
     anonymous: AnonymousAccess | None = None
     metrics_public: bool = True
-    #: > 0: count lookups per namespace (model, dtype) for this many namespaces, the
-    #: rest as ``_other`` (bounded cardinality); 0: off.
+    #: > 0: count lookups per namespace (model, dtype), exported for this many of the
+    #: namespaces holding the most bytes on this disk; misses in namespaces holding
+    #: nothing here as ``_other`` (bounded cardinality, see app.metrics); 0: off.
     metrics_namespaces: int = Field(default=0, ge=0, le=10_000)
 
     # limits

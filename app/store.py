@@ -126,7 +126,7 @@ class Store:
             self.metrics.lookup(key.model, key.dtype, "miss")
             raise NotFound(f"no entry {key} (its namespace is being purged)")
         body = await self._open_disk(key)
-        if body is None and self.read_through is not None:
+        if body is None and self.read_through is not None and not self._s3_hidden(key):
             # No await between the disk miss and joining/starting the fill: a fill
             # that just committed is seen on disk, one in flight is joined.
             body = await self.read_through.get(key)
@@ -141,7 +141,12 @@ class Store:
         if info is None and not self.purges.blocks(key):
             body = await self._open_disk(key)
             info = body.info if body is not None else None
-        if info is None and self.read_through is not None and not self.purges.blocks(key):
+        if (
+            info is None
+            and self.read_through is not None
+            and not self.purges.blocks(key)
+            and not self._s3_hidden(key)
+        ):
             info = await self.read_through.head(key)  # object metadata: never the body
         if info is None:
             self.metrics.lookup(key.model, key.dtype, "miss")
@@ -154,7 +159,12 @@ class Store:
             return False
         if self.disk.contains(key):
             return True
-        return self.s3 is not None and await self.s3.contains(key)
+        return self.s3 is not None and not self._s3_hidden(key) and await self.s3.contains(key)
+
+    def _s3_hidden(self, key: EntryKey) -> bool:
+        """Whether the key's S3 object must not be read: a DELETE of it is journaled
+        and its S3 delete not confirmed yet (write-back)."""
+        return self.uploads is not None and self.uploads.hides(key)
 
     async def exists_many(self, model: str, dtype: str, hashes: Sequence[str]) -> list[bool]:
         """Presence of many validated hashes of one model and dtype, in order. Keys are
@@ -172,6 +182,8 @@ class Store:
                 return await s3.contains(key)
 
         missing = [index for index, found in enumerate(present) if not found]
+        if self.uploads is not None and self.uploads.deletes_pending:
+            missing = [i for i in missing if not self._s3_hidden(EntryKey(model, dtype, hashes[i]))]
         answers = await asyncio.gather(
             *(check(EntryKey(model, dtype, hashes[index])) for index in missing)
         )
@@ -316,7 +328,9 @@ class Store:
             pending.durable = True
             return await _durable(pending.submit(crc, header))
         if self.uploads is not None:
-            if self.uploads.has_room(pending.written):
+            # A key the queue holds already (a PUT committing, a delete owed, which must
+            # go first) shares its record, over the bounds if need be.
+            if self.uploads.contains(key) or self.uploads.has_room(pending.written):
                 return await self._commit_write_back(self.uploads, key, pending, crc, header)
             self.uploads.metrics.full.inc()  # never drop: fall back to write-through
         return await self._commit_write_through(self.s3, key, pending, crc, header)
@@ -361,6 +375,8 @@ class Store:
     async def _upload_pending(self, item: PendingUpload) -> None:
         """The write-back queue's upload: disk entry (verified) -> S3."""
         assert self.s3 is not None
+        if self.purges.blocks(item.key):
+            raise EntryGone("its namespace is being purged")
         opened = self.disk.open(item.key)
         if opened is None:
             raise EntryGone("not on disk any more")
@@ -380,13 +396,17 @@ class Store:
         await self.s3.put_file(item.key, path, crc, header)
 
     async def delete(self, key: EntryKey) -> None:
-        """Remove from every tier (and from the write-back queue)."""
-        if self.uploads is not None:
-            self.uploads.discard(key)
+        """Remove from every tier. In write-back mode the S3 delete is owed through the
+        upload queue: journaled before the disk copy goes (from then on the S3 object
+        is hidden from reads), sent at once unless an upload of the key is in flight
+        (then right after it), retried until S3 confirms."""
+        item = await self.uploads.mark_deleted(key) if self.uploads is not None else None
         if self.read_through is not None:
             await self.read_through.settle(key)
         await anyio.to_thread.run_sync(self.disk.delete, key)
-        if self.s3 is not None:
+        if self.uploads is not None and item is not None:
+            await self.uploads.delete_now(item)
+        elif self.s3 is not None:
             await self.s3.delete(key)
 
     # -- operations ---------------------------------------------------------------
@@ -411,6 +431,7 @@ class Store:
         if self.uploads is not None:
             result["upload_queue"] = {
                 "entries": len(self.uploads),
+                "deletes": self.uploads.deletes_pending,
                 "bytes": self.uploads.pending_bytes,
                 "max_entries": self.uploads.max_entries,
                 "max_bytes": self.uploads.max_bytes,

@@ -161,11 +161,6 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
         super().timeout_keep_alive_handler()
         self._watch_send()  # bytes still unsent: the send deadline still applies
 
-    def _unsupported_upgrade_warning(self) -> None:
-        # Served with ws="none": an Upgrade request is answered as plain HTTP. uvicorn's
-        # two warning lines per such request would let any client flood the log.
-        log.debug("ignoring an Upgrade request header")
-
     # -- the request-head deadline ------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
@@ -197,7 +192,8 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._cancel_head_timer()
+        if not self._upgrade_body_skipped():  # else its body is still to come
+            self._cancel_head_timer()
 
     def _head_timed_out(self) -> None:
         self._head_timer = None

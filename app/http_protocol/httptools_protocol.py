@@ -1,4 +1,4 @@
-"""uvicorn's httptools protocol, with three changes.
+"""uvicorn's httptools protocol, with four changes.
 
 * **JSON 400s.** llhttp refuses some requests before the app can see them: raw
   non-ASCII bytes or spaces in the request target, a malformed or repeated
@@ -28,6 +28,8 @@
   HTTP protocol takes the transport back, the request completes as llhttp would
   complete it, and a fresh parser reads the next request. A body still arriving after
   its answer (a refusal) goes back through the HTTP protocol, which counts it off.
+* **Upgrade requests are plain HTTP** (``ws="none"``: nothing is upgraded), their
+  bodies included, which llhttp skips for an Upgrade request (``_parse``).
 """
 
 from __future__ import annotations
@@ -54,24 +56,27 @@ MALFORMED_BODY = json.dumps(
 
 
 class ECHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with this module's three changes."""
+    """uvicorn's httptools protocol with this module's four changes."""
 
     #: Body bytes of the last PUT whose head was parsed still to come: when a parse
     #: ends with this above 0, llhttp has stopped inside that body, and the rest of
     #: it is counted off here.
     _body_left = 0
+    #: The parser is reading the head ``_parse`` made up to frame an Upgrade request's
+    #: body: its callbacks up to the end of that head are not a request's.
+    _reframing = False
 
     def data_received(self, data: bytes) -> None:
         left = self._body_left
         if not left:  # the parser holds the request (or its body is llhttp's to frame)
-            super().data_received(data)
+            self._parse(data)
         else:
             body, rest = (data, b"") if len(data) <= left else (data[:left], data[left:])
             self.on_body(body)
             if not self._body_left:
                 self._body_done()
                 if rest:
-                    super().data_received(rest)
+                    self._parse(rest)
         # Once body bytes have come (and were not discarded), a reader takes the rest.
         # Not before: installed while the socket was idle (a client waiting for its
         # 100 Continue), it cost the server 2.0-2.3 s of CPU per GB of 4.7 MB PUTs
@@ -98,6 +103,37 @@ class ECHttpToolsProtocol(HttpToolsProtocol):
             self._switch_protocol(self)
             self._body_done()
 
+    def _parse(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, but an Upgrade request stays plain HTTP (nothing
+        is upgraded: ``ws="none"``). httptools has llhttp skip such a request's body:
+        it ends the request at its head and hands back the rest. A fresh parser frames
+        that body (and what follows) again from a head that gives only its framing
+        (``_reframing``: that head's request is not a request)."""
+        self._unset_keepalive_if_required()
+        while data:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            except httptools.HttpParserUpgrade as upgrade:
+                rest = data[upgrade.args[0] :]
+                self.parser = _new_parser(self)
+                framing = _body_framing(self.headers)
+                self._reframing = bool(framing)
+                data = b"PUT / HTTP/1.1\r\n" + framing + b"\r\n" + rest if framing else rest
+                continue
+            return
+
+    def _upgrade_body_skipped(self) -> bool:
+        """Whether the request just ended by the parser is an Upgrade request's head
+        whose body llhttp skipped (see ``_parse``): the request goes on."""
+        return self.parser.should_upgrade() and bool(_body_framing(self.headers))
+
+    def on_message_complete(self) -> None:
+        if not self._upgrade_body_skipped():
+            super().on_message_complete()
+
     def _body_done(self) -> None:
         """The body is complete: the parser, left inside it, is replaced for the next
         request, and the request completes as llhttp would complete it."""
@@ -112,6 +148,9 @@ class ECHttpToolsProtocol(HttpToolsProtocol):
             transport.resume_reading()
 
     def on_headers_complete(self) -> None:
+        if self._reframing:  # the head ``_parse`` made up: the request has its cycle
+            self._reframing = False
+            return
         super().on_headers_complete()
         cycle = self.cycle
         if self.scope.get("method") == "PUT":
@@ -156,6 +195,16 @@ def _new_parser(protocol: HttpToolsProtocol) -> httptools.HttpRequestParser:
     parser = httptools.HttpRequestParser(protocol)
     parser.set_dangerous_leniencies(lenient_data_after_close=True)
     return parser
+
+
+def _body_framing(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The request's ``Content-Length`` or ``Transfer-Encoding`` header lines, as llhttp
+    accepted them (empty: the request has no body)."""
+    return b"".join(
+        b"%s: %s\r\n" % (name, value)
+        for name, value in headers
+        if name in (b"content-length", b"transfer-encoding")
+    )
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int:

@@ -40,6 +40,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
@@ -68,12 +69,28 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^([0-9a-f]{64})\.([0-9a-f]{8})\.safetensors$")
 KEYS_LOG = "keys.log"
+_KEYS_LOST = (
+    "the log is rebuilt, and the entries on disk whose keys it held are unattributed "
+    "(served, counted apart, removed by any purge)"
+)
 #: Compact keys.log when it holds this many more lines than the index has entries.
 KEYS_LOG_SLACK = 4096
 Namespace = tuple[str, str]
 _Signature = tuple[int, int, int, int]
 #: Kept free beyond a body's own bytes when making room for it (file system metadata).
 SPACE_SLACK_BYTES = 1024 * 1024
+
+
+def _iov_max() -> int:
+    """The most buffers one ``writev`` takes (more: EINVAL); 1024 on Linux."""
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        return 1024
+    return limit if limit > 0 else 1024
+
+
+IOV_MAX = _iov_max()
 
 
 def _signature(st: os.stat_result) -> _Signature:
@@ -179,18 +196,21 @@ class PendingWrite:
         self.fd, self.path = fd, Path(name)
 
     def write(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Append ``chunks``. On a full file system, evict least recently used entries
-        once per batch, and only when the rest of the body can fit once they are gone:
-        a body that cannot fit is refused (507) with every entry left in place."""
+        """Append ``chunks``, at most ``IOV_MAX`` of them per ``writev`` (a body received
+        in small pieces hands over thousands per batch). On a full file system, evict
+        least recently used entries once per batch, and only when the rest of the body
+        can fit once they are gone: a body that cannot fit is refused (507) with every
+        entry left in place."""
         views = [memoryview(chunk) for chunk in chunks]
+        first = 0  # views before it are written
         evicted = False
-        while views:
+        while first < len(views):
             try:
-                n = os.writev(self.fd, views)
+                n = os.writev(self.fd, views[first : first + IOV_MAX])
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                needed = max(self.remaining, sum(len(view) for view in views))
+                needed = max(self.remaining, sum(len(view) for view in views[first:]))
                 if evicted or not self.tier._make_room(self, needed):
                     raise InsufficientStorage(
                         f"the disk tier's file system is full ({exc.strerror})"
@@ -201,18 +221,20 @@ class PendingWrite:
                 start_writeback(self.fd, self.written, n)
             with self.tier._lock:
                 self.written += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+            while first < len(views) and n >= len(views[first]):
+                n -= len(views[first])
+                first += 1
+            if n:
+                views[first] = views[first][n:]
 
     def submit(
         self, crc: int, header: TensorHeader, staged: Sequence[StagedFile] = ()
     ) -> Future[bool]:
         """Hand the file to the group commit; the future says whether it was published
-        (False, nothing stored: the key already exists) once its batch is committed (and
-        the file durable, if ``durable``), or raises.
+        once its batch is committed (and the file durable, if ``durable``), or raises.
+        False (nothing stored): the key's entry exists and is readable, that of an
+        earlier upload of the same batch once published; if that one fails, this one
+        is committed instead.
         ``staged`` files (a write-back journal record) are made durable and renamed
         into place, in the same batch, before the entry is published."""
         self.done = True
@@ -653,29 +675,46 @@ class DiskTier:
 
     def _commit_batch(self, batch: list[_Commit]) -> None:
         """Make a batch of finished uploads durable, then publish them (committer
-        thread). Order: (1) wait for the ``fdatasync`` of every temp file and journal
-        record, started in parallel when each was handed over; (2) rename
-        the records, ``fsync`` their directory once; (3) append the key lines, rename the
-        entries into ``objects/``, ``fsync`` each directory touched once; (4) publish
-        the entries in the index and answer. A failure fails only the commits it
-        touched, and what they left is removed; nothing is visible before step 4.
-        Entries that are not ``durable`` skip the syncs of steps 1 and 3 (a new shard
-        directory is synced all the same: later entries, durable ones too, go there)."""
-        started = time.perf_counter()
-        jobs: list[_Commit] = []
-        claimed: set[str] = set()
+        thread), in rounds: each publishes the first upload of each key (see
+        ``_commit_round``); the others of that key wait for it, and are answered False
+        only once it is published (readable), or take its place in another round if
+        it failed (what their PUT's client expects: a valid body stored)."""
         for job in batch:
             if job.data is not None:  # never close a file while it is being synced
                 with contextlib.suppress(OSError):
                     job.data.result()
+        jobs = []
         for job in batch:
-            if not job.future.set_running_or_notify_cancel():
+            if job.future.set_running_or_notify_cancel():
+                jobs.append(job)
+            else:
                 job.discard()  # its PUT went away before the batch started
-                continue
+        while jobs:
+            jobs = self._commit_round(jobs)
+
+    def _commit_round(self, batch: list[_Commit]) -> list[_Commit]:
+        """Commit the first upload of each key of ``batch`` not yet stored; return the
+        others of the keys whose first upload failed. Order: (1) wait for the
+        ``fdatasync`` of every temp file and journal record, started in parallel when
+        each was handed over; (2) rename the records, ``fsync`` their directory once;
+        (3) append the key lines, rename the entries into ``objects/``, ``fsync`` each
+        directory touched once; (4) publish the entries in the index and answer. A
+        failure fails only the commits it touched, and what they left is removed;
+        nothing is visible before step 4. Entries that are not ``durable`` skip the
+        syncs of steps 1 and 3 (a new shard directory is synced all the same: later
+        entries, durable ones too, go there)."""
+        started = time.perf_counter()
+        jobs: list[_Commit] = []
+        #: Later uploads of a key this round commits, by digest: answered after it.
+        waiting: dict[str, list[_Commit]] = {}
+        for job in batch:
             pending = job.pending
             digest = pending.key.digest
-            if digest in claimed or self.contains(pending.key):
-                job.discard()  # first writer wins: spare the fsyncs
+            if digest in waiting:
+                waiting[digest].append(job)
+                continue
+            if self.contains(pending.key):
+                job.discard()  # first writer wins (its entry is readable): spare the fsyncs
                 job.future.set_result(False)
                 continue
             if pending.written > self.max_bytes:
@@ -683,7 +722,7 @@ class DiskTier:
                     f"entry of {pending.written} bytes is larger than the disk tier "
                     f"({self.max_bytes} bytes)"
                 )
-            claimed.add(digest)
+            waiting[digest] = []
             jobs.append(job)
         # (1) the bytes: synced in parallel since each was handed over (see submit),
         # here when that was skipped (the key existed then, and is gone since)
@@ -766,12 +805,19 @@ class DiskTier:
         if jobs:
             self._commit_metrics.batch_size.observe(len(jobs))
             self._commit_metrics.seconds.observe(time.perf_counter() - started)
+        retry: list[_Commit] = []
         for job in jobs:
+            later = waiting[job.pending.key.digest]
             if job.error is not None:
                 job.discard()
                 job.future.set_exception(job.error)
-            else:
-                job.future.set_result(True)
+                retry += later
+                continue
+            job.future.set_result(True)
+            for loser in later:
+                loser.discard()
+                loser.future.set_result(False)
+        return retry
 
     def _sync_dirs(self, dirs: dict[Path, list[_Commit]]) -> None:
         """``fsync`` each directory once; a failure fails the commits that renamed
@@ -888,6 +934,11 @@ class DiskTier:
             del self._namespaces[namespace]
             del self._namespace_bytes[namespace]
 
+    def holds_namespace(self, model: str, dtype: str) -> bool:
+        """Whether entries of the namespace (model, dtype) are here."""
+        with self._lock:
+            return (model, dtype) in self._namespaces
+
     def namespaces(self) -> tuple[list[NamespaceUsage], NamespaceUsage]:
         """Usage per namespace (sorted), and that of the unattributed entries."""
         with self._lock:
@@ -942,10 +993,22 @@ class DiskTier:
     # -- keys.log -------------------------------------------------------------------
 
     def _read_keys_log(self) -> dict[str, EntryKey]:
+        """The keys logged, by digest. A log that cannot be read (not a regular file,
+        an I/O error) is reported, set aside if it is in the way, and rebuilt by the
+        compaction that follows: its entries are unattributed (still served)."""
         keys: dict[str, EntryKey] = {}
+        path = self.root / KEYS_LOG
         try:
-            text = (self.root / KEYS_LOG).read_text(encoding="utf-8", errors="replace")
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                aside = path.with_name(f"{KEYS_LOG}.invalid-{time.time_ns()}")
+                os.rename(path, aside)
+                log.error("%s is not a regular file: moved to %s; %s", path, aside, _KEYS_LOST)
+                return keys
+            text = path.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
+            return keys
+        except OSError as exc:
+            log.error("cannot read %s (%s); %s", path, exc, _KEYS_LOST)
             return keys
         for line in text.splitlines():
             parts = line.split(" ")

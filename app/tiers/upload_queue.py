@@ -1,22 +1,33 @@
-"""The write-back upload queue: durable, bounded, retried with exponential backoff.
+"""The write-back queue: durable uploads and deletes of S3 objects, bounded, retried
+with exponential backoff.
 
 In ``write-back`` mode a PUT answers 201 once the entry is committed to the disk tier; its
-upload to S3 happens later, from this queue. Durability comes from a journal directory::
+upload to S3 happens later, from this queue. A DELETE answers once the S3 delete it owes
+is journaled here (:meth:`UploadQueue.mark_deleted`); the delete is made at once, or
+right after an upload of the key in flight, and retried until S3 confirms it. A purge
+does the same for the uploads of its namespace in flight, and waits for them
+(:meth:`UploadQueue.delete_namespace`). Durability comes from a journal directory::
 
-    {data_dir}/upload-queue/{key digest}.json     one small record per pending entry
+    {data_dir}/upload-queue/{key digest}.json     one small record per pending key
 
-A record is written atomically (temp file, ``fdatasync``, ``rename``, ``fsync`` of the
-directory) *before* the entry is published on disk — in the disk tier's group commit of
-that entry, see :meth:`UploadQueue.stage_record` — and removed only after S3 has the
-object, so neither a restart nor ``kill -9`` loses an upload: the directory is rescanned
-at start-up. A record whose disk entry is missing (the PUT never completed, or the entry
-was deleted) is dropped. Every pending entry is pinned in the disk tier, so it is never
-evicted before it is uploaded.
+A record says what its key owes S3: the upload of its disk entry, a delete of its
+object (``"deleted": true``), or both (a delete, then the upload of an entry PUT after
+it). It is written atomically (temp file, ``fdatasync``, ``rename``, ``fsync`` of the
+directory): a PUT's before its entry is published on disk — in the disk tier's group
+commit of that entry, see :meth:`UploadQueue.stage_record` — a DELETE's before the disk
+entry is removed; it is removed once S3 has done what it owes, so neither a restart nor
+``kill -9`` loses an upload or a delete: the directory is rescanned at start-up. There,
+an upload whose entry is not on disk (the PUT never completed, or the entry was deleted)
+is dropped, and an entry whose record owes only a delete (its DELETE did not finish) is
+removed from disk. While a delete is owed, the key's S3 object is never read
+(:meth:`UploadQueue.hides`): nothing deleted comes back through a read-through. The
+upload and the delete of one key never run at the same time. Every pending key is
+pinned in the disk tier, so an entry is never evicted before it is uploaded.
 
 The queue is bounded by entries and bytes. When it is full the store does not drop
 anything: it falls back to write-through for that PUT (which answers 503 if S3 is down).
-Failed uploads are retried with exponential backoff and jitter; one success resets the
-backoff of all waiting entries, so the queue drains quickly once S3 is back.
+Failures are retried with exponential backoff and jitter; one success resets the
+backoff of all waiting keys, so the queue drains quickly once S3 is back.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
 from app.errors import InvalidKey
@@ -54,6 +66,8 @@ class EntryGone(Exception):
 
 @dataclass
 class PendingUpload:
+    """What one key owes S3 (its journal record, and the state of its work)."""
+
     key: EntryKey
     size: int
     crc32c: int
@@ -61,9 +75,17 @@ class PendingUpload:
     attempts: int = 0
     next_attempt: float = 0.0  # monotonic
     last_error: str | None = None
-    in_progress: bool = False
-    #: Set by a DELETE while an upload runs: the object is deleted again afterwards.
+    #: The entry committed on disk owes its upload.
+    upload: bool = True
+    #: A delete of the S3 object is owed (journaled), before any upload.
     deleted: bool = False
+    #: The work in flight: "upload", "delete" or None.
+    running: str | None = None
+    #: DELETEs and purges that marked it: a delete sent before the last one does not
+    #: settle it (the object may have been written again since).
+    marks: int = 0
+    #: DELETEs or purges journaling its record right now.
+    journaling: int = 0
     #: PUTs between reserve and release (concurrent PUTs of one key share the record).
     writers: int = 0
 
@@ -76,6 +98,9 @@ class PendingUpload:
             "size": self.size,
             "crc32c": f"{self.crc32c:08x}",
             "queued_at": self.queued_at,
+            # A PUT's record becomes durable with its entry: it owes the upload.
+            "upload": self.upload or self.writers > 0,
+            "deleted": self.deleted,
         }
 
 
@@ -111,9 +136,14 @@ class UploadQueue:
         self.retry_max = max(retry_max, retry_min)
         self._workers = workers
         self._items: dict[str, PendingUpload] = {}
+        #: Digests of the keys that owe a delete (their S3 objects are hidden).
+        self._deleting: set[str] = set()
         self.pending_bytes = 0
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
+        #: Set (and replaced) whenever an item's work or writers change: what
+        #: ``mark_deleted`` and ``delete_namespace`` wait on.
+        self._changed: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_log = -math.inf
         self.metrics = UploadQueueMetrics(
@@ -125,6 +155,11 @@ class UploadQueue:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def deletes_pending(self) -> int:
+        """Keys whose S3 delete is owed."""
+        return len(self._deleting)
 
     # -- start-up ------------------------------------------------------------------
 
@@ -149,9 +184,8 @@ class UploadQueue:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
-            self._items[item.key.digest] = item
-            self.pending_bytes += item.size
-            self.disk.pin(item.key)
+            self._add(item)
+            self._set_deleted(item, item.deleted)
             loaded += 1
         return loaded
 
@@ -162,23 +196,46 @@ class UploadQueue:
         crc = str(raw["crc32c"])
         if len(crc) != 8:
             raise ValueError(f"bad crc32c {crc!r}")
-        return PendingUpload(key, int(raw["size"]), int(crc, 16), float(raw["queued_at"]))
+        upload, deleted = raw.get("upload", True), raw.get("deleted", False)
+        if not isinstance(upload, bool) or not isinstance(deleted, bool):
+            raise ValueError("upload and deleted must be booleans")
+        return PendingUpload(
+            key,
+            int(raw["size"]),
+            int(crc, 16),
+            float(raw["queued_at"]),
+            upload=upload,
+            deleted=deleted,
+        )
 
     def reconcile(self) -> int:
-        """Drop records whose entry is not on disk (blocking). Returns how many remain."""
+        """Match the journal with the disk (blocking): drop the uploads whose entry is
+        not on disk, finish the DELETEs a crash interrupted. Returns how many remain."""
         for item in list(self._items.values()):
-            if not self.disk.contains(item.key):
+            on_disk = self.disk.contains(item.key)
+            if item.deleted and not item.upload and on_disk:
+                log.warning(
+                    "upload queue: %s was being deleted when the server stopped: removing "
+                    "its disk entry; its S3 object is deleted next",
+                    item.key,
+                )
+                self.disk.delete(item.key)
+            elif item.upload and not on_disk:
                 log.warning(
                     "upload queue: %s is no longer on disk (PUT interrupted or deleted); "
                     "dropping its upload",
                     item.key,
                 )
-                self._forget(item)
+                item.upload = False
+                self._resize(item, 0)
+            self._retire(item)
         if self._items:
             log.info(
-                "upload queue: %d entries (%d bytes) pending upload from the journal",
+                "upload queue: %d keys (%d bytes) pending from the journal, %d of them "
+                "owing an S3 delete",
                 len(self._items),
                 self.pending_bytes,
+                len(self._deleting),
             )
         return len(self._items)
 
@@ -195,14 +252,14 @@ class UploadQueue:
         (what is left stays in the journal for the next start)."""
         if drain_timeout > 0 and self._items and self._tasks:
             log.info(
-                "upload queue: draining %d pending uploads (up to %.0fs) before stopping",
+                "upload queue: draining %d pending uploads (and deletes; up to %.0fs) before stopping",
                 len(self._items),
                 drain_timeout,
             )
             self._retry_backing_off()  # a drain tries every upload now, not after its back-off
             if not await self.wait_idle(drain_timeout):
                 log.warning(
-                    "upload queue: %d uploads still pending at shutdown; they stay in %s "
+                    "upload queue: %d keys still pending at shutdown; they stay in %s "
                     "and resume at the next start",
                     len(self._items),
                     self.directory,
@@ -222,19 +279,25 @@ class UploadQueue:
     def contains(self, key: EntryKey) -> bool:
         return key.digest in self._items
 
+    def hides(self, key: EntryKey) -> bool:
+        """Whether the key's S3 object must not be read: a delete of it is owed."""
+        return bool(self._deleting) and key.digest in self._deleting
+
     def reserve(self, key: EntryKey, size: int, crc32c: int) -> PendingUpload:
         """Register a PUT of ``key`` that is about to commit (event loop): the pending
-        record, new or shared with a concurrent PUT of the same key, pinned on disk. Then
-        :meth:`stage_record`, handed to the disk commit (which makes it durable first),
-        and :meth:`release` after it, whatever happened."""
+        record, new or shared with a concurrent PUT of the same key (or with a delete
+        owed, which goes first), pinned on disk. Then :meth:`stage_record`, handed to
+        the disk commit (which makes it durable first), and :meth:`release` after it,
+        whatever happened."""
         item = self._items.get(key.digest)
         if item is None:
             # Not due until released with the entry on disk.
             item = PendingUpload(key, size, crc32c, time.time(), next_attempt=math.inf)
-            self._items[key.digest] = item
-            self.pending_bytes += size
-            self.disk.pin(key)
-            self._update_idle()
+            item.upload = False
+            self._add(item)
+        elif not item.upload and not item.writers:  # owes only a delete: this entry next
+            self._resize(item, size)
+            item.crc32c = crc32c
         item.writers += 1
         return item
 
@@ -242,6 +305,21 @@ class UploadQueue:
         """Write the record under a temp name (a few hundred bytes, page cache only);
         the disk tier's group commit syncs and renames it, in the batch of the entry
         and before the entry is published."""
+        fd, tmp, final = self._record_file(item)
+        return StagedFile(fd, tmp, final)
+
+    def write_record(self, item: PendingUpload) -> None:
+        """Journal the record durably (blocking)."""
+        fd, tmp, final = self._record_file(item)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        fsync_dir(self.directory)
+
+    def _record_file(self, item: PendingUpload) -> tuple[int, Path, Path]:
+        """The record written to a new temp file: (its open fd, its path, the record's)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"{item.key.digest}.json"
         tmp = self.directory / f".{item.key.digest}.{uuid.uuid4().hex}.tmp"
@@ -253,24 +331,10 @@ class UploadQueue:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        return StagedFile(fd, tmp, final)
-
-    def write_record(self, item: PendingUpload) -> None:
-        """Journal the record durably (blocking)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / f"{item.key.digest}.json"
-        tmp = self.directory / f".{item.key.digest}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, json.dumps(item.record()).encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-        fsync_dir(self.directory)
+        return fd, tmp, final
 
     def activate(self, item: PendingUpload | None = None) -> None:
-        """Make ``item`` due (its entry is committed) and wake a worker."""
+        """Make ``item`` due now and wake a worker."""
         if item is not None:
             item.next_attempt = min(item.next_attempt, 0.0)
         if self._wake is not None:
@@ -280,36 +344,126 @@ class UploadQueue:
         """A PUT that reserved ``item`` is done. With the entry on disk (committed by this
         PUT or by anyone else) the upload becomes due — if S3 already has the object the
         worker finds out with one HEAD. Without it, the record goes once no other PUT
-        holds it."""
+        holds it and it owes nothing else."""
         item.writers -= 1
         if self._items.get(item.key.digest) is not item:
-            return  # discarded by a DELETE meanwhile
+            return
         if on_disk:
+            item.upload = True
             self.activate(item)
-        elif item.writers <= 0 and item.next_attempt == math.inf:
-            self._forget(item)
+        self._pulse()
+        self._retire(item)
 
-    def discard(self, key: EntryKey) -> bool:
-        """A DELETE: forget a pending upload. True when an upload is running right now
-        (its object will be deleted again when it completes)."""
+    async def mark_deleted(self, key: EntryKey) -> PendingUpload:
+        """A DELETE (or a purge) of ``key``: owe a delete of its S3 object, journaled
+        before this returns, and drop its upload. From the call on, its S3 object is
+        hidden and no upload of it starts before the delete; PUTs of it being committed
+        are waited for (they come before this delete). The delete is due at once,
+        unless an upload of the key is in flight: then right after it."""
         item = self._items.get(key.digest)
         if item is None:
-            return False
-        if item.in_progress:
-            item.deleted = True
-            return True
-        self._forget(item)
-        return False
+            item = PendingUpload(key, 0, 0, time.time(), next_attempt=math.inf)
+            item.upload = False
+            self._add(item)
+        self._set_deleted(item, True)
+        item.marks += 1
+        item.journaling += 1
+        try:
+            if item.running == "upload":
+                log.info(
+                    "upload queue: %s deleted while its upload is in flight: its S3 object "
+                    "is deleted once that upload is over",
+                    key,
+                )
+            while item.writers:
+                await self._wait_change()
+            item.upload = False
+            self._resize(item, 0)
+            await anyio.to_thread.run_sync(self.write_record, item)
+        finally:
+            item.journaling -= 1
+            self.activate(item)
+        return item
+
+    async def delete_now(self, item: PendingUpload) -> None:
+        """Send the S3 delete ``item`` owes now rather than from a worker, unless an
+        upload of it is in flight (a worker deletes right after it) or a worker is at it
+        already (waited for). A failure is logged and retried by the workers."""
+        if item.running == "delete":
+            while item.running == "delete":
+                await self._wait_change()
+            return
+        if item.running is None and item.deleted and self._items.get(item.key.digest) is item:
+            await self._attempt(item, upload=False)
+
+    async def delete_namespace(self, covers: Callable[[str, str], bool]) -> None:
+        """A purge of the namespaces ``covers`` accepts: drop their uploads that have not
+        started (the purge removes their entries, and from S3 whatever an earlier try
+        stored); owe a delete (journaled) for those being committed or uploaded, and
+        wait until those uploads are over, so that what they store in S3 is there before
+        the purge deletes the namespace's objects."""
+        busy = []
+        for item in list(self._items.values()):
+            if not covers(item.key.model, item.key.dtype):
+                continue
+            if item.running == "upload" or item.writers or item.journaling:
+                busy.append(item)
+                continue
+            item.upload = False
+            self._resize(item, 0)
+            self._retire(item)
+        if not busy:
+            return
+        log.info("upload queue: a purge waits for %d uploads of its namespace", len(busy))
+        await asyncio.gather(*(self.mark_deleted(item.key) for item in busy))
+        while any(item.running == "upload" for item in busy):
+            await self._wait_change()
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    def _add(self, item: PendingUpload) -> PendingUpload:
+        self._items[item.key.digest] = item
+        self.pending_bytes += item.size
+        self.disk.pin(item.key)
+        self._update_idle()
+        return item
+
+    def _resize(self, item: PendingUpload, size: int) -> None:
+        self.pending_bytes += size - item.size
+        item.size = size
+
+    def _set_deleted(self, item: PendingUpload, deleted: bool) -> None:
+        item.deleted = deleted
+        if deleted:
+            self._deleting.add(item.key.digest)
+        else:
+            self._deleting.discard(item.key.digest)
+
+    def _retire(self, item: PendingUpload) -> None:
+        """Forget ``item`` once it owes nothing and nobody works on it."""
+        if not (item.upload or item.deleted or item.writers or item.journaling or item.running):
+            self._forget(item)
 
     def _forget(self, item: PendingUpload) -> None:
         if self._items.get(item.key.digest) is not item:
             return
         del self._items[item.key.digest]
+        self._deleting.discard(item.key.digest)
         self.pending_bytes -= item.size
         with contextlib.suppress(FileNotFoundError):
             (self.directory / f"{item.key.digest}.json").unlink()
         self.disk.unpin(item.key)
         self._update_idle()
+
+    def _pulse(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def _wait_change(self) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        await self._changed.wait()
 
     def _update_idle(self) -> None:
         if self._idle is None:
@@ -329,15 +483,12 @@ class UploadQueue:
             return False
         return True
 
-    def snapshot(self) -> list[PendingUpload]:
-        return list(self._items.values())
-
     # -- workers ---------------------------------------------------------------------
 
     def _next_due(self, now: float) -> tuple[PendingUpload | None, float | None]:
         soonest: float | None = None
         for item in self._items.values():
-            if item.in_progress:
+            if item.running or item.journaling:
                 continue
             if item.next_attempt <= now:
                 return item, None
@@ -357,67 +508,93 @@ class UploadQueue:
                 continue
             await self._attempt(item)
 
-    def _log_failure(self, item: PendingUpload, delay: float, exc: Exception) -> None:
+    def _log_failure(self, item: PendingUpload, action: str, delay: float, exc: Exception) -> None:
         """One line per failure while few fail; during an outage at most one summary
         line per ``LOG_INTERVAL`` (a full queue must not flood the log)."""
         now = time.monotonic()
         if now - self._last_log < LOG_INTERVAL:
-            log.debug("upload queue: upload of %s failed again: %s", item.key, exc)
+            log.debug("upload queue: %s of %s failed again: %s", action, item.key, exc)
             return
         self._last_log = now
         log.warning(
-            "upload queue: upload of %s failed (attempt %d, retry in %.1fs); %d entries "
-            "(%d bytes) waiting: %s",
+            "upload queue: %s of %s failed (attempt %d, retry in %.1fs); %d keys "
+            "(%d bytes, %d deletes) waiting: %s",
+            action,
             item.key,
             item.attempts,
             delay,
             len(self._items),
             self.pending_bytes,
+            len(self._deleting),
             exc,
         )
 
     def oldest_age(self) -> float:
-        """Seconds the longest-waiting entry has been pending (0 when none)."""
+        """Seconds the longest-waiting key has been pending (0 when none)."""
         if not self._items:
             return 0.0
         return max(0.0, time.time() - min(item.queued_at for item in self._items.values()))
 
-    async def _attempt(self, item: PendingUpload) -> None:
-        item.in_progress = True
+    async def _attempt(self, item: PendingUpload, *, upload: bool = True) -> None:
+        """Do what ``item`` owes: its delete, then (with ``upload``) its upload. A
+        failure is retried after a back-off; a DELETE that marked it meanwhile makes
+        its delete due at once."""
+        marks = item.marks
         item.attempts += 1
+        action = "delete" if item.deleted else "upload"
         try:
-            await self._upload(item)
+            if item.deleted:
+                item.running = "delete"
+                await self._delete(item.key)
+                self.metrics.deletes.labels("ok").inc()
+                log.log(
+                    logging.INFO if item.attempts > 1 else logging.DEBUG,
+                    "upload queue: S3 object of %s deleted (attempt %d)",
+                    item.key,
+                    item.attempts,
+                )
+                if item.marks == marks:  # else deleted again since: once more
+                    self._set_deleted(item, False)
+            if upload and item.upload and not item.deleted:
+                action = "upload"
+                item.running = "upload"
+                await self._upload(item)
+                self.metrics.uploads.labels("ok").inc()
+                if item.marks == marks:  # else a DELETE dropped it (and a later PUT
+                    item.upload = False  # may owe its own upload)
         except EntryGone as exc:
-            log.warning("upload queue: dropping %s: %s", item.key, exc)
+            log.warning("upload queue: dropping the upload of %s: %s", item.key, exc)
             self.metrics.uploads.labels("dropped").inc()
-            item.in_progress = False
-            self._forget(item)
-            return
+            if item.marks == marks:
+                item.upload = False
+            self._due_if_owing(item)
         except asyncio.CancelledError:
-            item.in_progress = False
             raise
         except Exception as exc:
-            item.in_progress = False
-            if item.deleted:  # a DELETE or purge ran during the failed upload: nothing to retry
-                self._forget(item)
-                return
             delay = min(self.retry_max, self.retry_min * 2 ** min(item.attempts - 1, 30))
             delay *= random.uniform(0.5, 1.0)
-            item.next_attempt = time.monotonic() + delay
             item.last_error = str(exc)
-            self.metrics.uploads.labels("retry").inc()
-            self._log_failure(item, delay, exc)
-            return
-        item.in_progress = False
-        self.metrics.uploads.labels("ok").inc()
-        if item.deleted:  # a DELETE ran during the upload: honour it
-            with contextlib.suppress(Exception):
-                await self._delete(item.key)
-        self._forget(item)
-        self._retry_backing_off()  # S3 works: let everything that was backing off go now
+            counter = self.metrics.deletes if action == "delete" else self.metrics.uploads
+            counter.labels("retry").inc()
+            self._log_failure(item, action, delay, exc)
+            # A DELETE during a failed upload (whose outcome is unknown): delete now.
+            item.next_attempt = time.monotonic() + delay if item.marks == marks else 0.0
+        else:
+            item.attempts = 0
+            self._due_if_owing(item)
+            self._retry_backing_off()  # S3 works: let everything that was backing off go now
+        finally:
+            item.running = None
+            self._pulse()
+            self._retire(item)
+            self.activate()
+
+    @staticmethod
+    def _due_if_owing(item: PendingUpload) -> None:
+        item.next_attempt = 0.0 if item.deleted or item.upload else math.inf
 
     def _retry_backing_off(self) -> None:
-        """Make every upload that failed before and waits for its retry due now."""
+        """Make every key that failed before and waits for its retry due now."""
         now = time.monotonic()
         retry = False
         for other in self._items.values():

@@ -548,7 +548,21 @@ def exists_body(hashes: Sequence[str]) -> tuple[httpx.ByteStream, dict[str, str]
 
 
 def json_body(resp_content: bytes, url: str) -> Any:
+    """The answer's JSON; a ``TransportError`` for anything else (deep nesting too)."""
     try:
         return json.loads(resp_content)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise TransportError(f"{url}: answer is not JSON", url=url) from None
+
+
+def present_list(answer: Any, count: int, url: str) -> list[bool]:
+    """The ``present`` list of an ``_exists`` answer: ``count`` JSON booleans, or a
+    ``TransportError`` (never a string or number taken for a boolean)."""
+    present = answer.get("present") if isinstance(answer, dict) else None
+    if (
+        not isinstance(present, list)
+        or len(present) != count
+        or not all(type(value) is bool for value in present)
+    ):
+        raise TransportError(f"{url}: malformed _exists answer", url=url)
+    return present

@@ -90,7 +90,7 @@ class ServerError(ECCacheError):
         message = body[:500].decode("utf-8", "replace").strip() or "no error body"
         try:
             data: Any = json.loads(body) if body else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
             data = None
         if isinstance(data, dict):
             code = data.get("error") if isinstance(data.get("error"), str) else None

@@ -367,6 +367,50 @@ def test_pool_timeout_is_honoured(hostile: Any) -> None:
     c.close()
 
 
+# -- JSON answers: validated by type ------------------------------------------------
+DEEP = b"[" * 100_000 + b"]" * 100_000
+EXISTS_ANSWERS: dict[str, tuple[str, bytes, type[Exception]]] = {
+    "nested too deep": ("200 OK", DEEP, ec_cache.TransportError),
+    "present nested too deep": (
+        "200 OK",
+        b'{"present": ' + DEEP + b"}",
+        ec_cache.TransportError,
+    ),
+    "strings, numbers, objects for booleans": (
+        "200 OK",
+        b'{"present": ["false", 0, {"a": 1}]}',
+        ec_cache.TransportError,
+    ),
+    "1 and 0 for booleans": ("200 OK", b'{"present": [1, 0, 1]}', ec_cache.TransportError),
+    "null in the list": ("200 OK", b'{"present": [true, null, false]}', ec_cache.TransportError),
+    "too few answers": ("200 OK", b'{"present": [true, false]}', ec_cache.TransportError),
+    "present not a list": ("200 OK", b'{"present": "yes"}', ec_cache.TransportError),
+    "a bare list": ("200 OK", b"[true, false, true]", ec_cache.TransportError),
+    "not JSON": ("200 OK", b"<html>", ec_cache.TransportError),
+    "an error nested too deep": ("500 Internal Server Error", DEEP, ec_cache.ServerError),
+}
+
+
+@pytest.mark.parametrize("name", list(EXISTS_ANSWERS))
+def test_malformed_exists_answers_raise_typed_errors(
+    hostile: Any, client_factory: Factory, name: str
+) -> None:
+    status, payload, kind = EXISTS_ANSWERS[name]
+    head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+    srv = hostile(always(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload))
+    c = client_for(client_factory, srv)
+    with pytest.raises(kind) as raised:
+        c.exists_many(["a", "b", "c"])
+    assert type(raised.value) is kind
+
+
+def test_a_well_formed_exists_answer_is_taken_as_is(hostile: Any, client_factory: Factory) -> None:
+    payload = b'{"present": [true, false, true]}'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    srv = hostile(always(head + b"Content-Length: %d\r\n\r\n" % len(payload) + payload))
+    assert client_for(client_factory, srv).exists_many(["a", "b", "c"]) == [True, False, True]
+
+
 # -- property-based ------------------------------------------------------------------
 class Switchboard:
     """One hostile server whose next answer is set per example."""

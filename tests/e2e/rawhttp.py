@@ -18,7 +18,7 @@ class RawResponse:
         return json.loads(self.body)
 
 
-def _read_response(sock: socket.socket, *, no_body: bool = False) -> RawResponse:
+def read_response(sock: socket.socket, *, no_body: bool = False) -> RawResponse:
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -57,7 +57,7 @@ def request(
     head += "".join(f"{k}: {v}\r\n" for k, v in all_headers.items()) + "\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(head.encode("latin-1") + (body if send_body else b""))
-        return _read_response(sock, no_body=method == "HEAD")
+        return read_response(sock, no_body=method == "HEAD")
 
 
 def send_partial(port: int, target: str, declared: int, body: bytes) -> None:

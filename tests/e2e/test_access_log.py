@@ -86,15 +86,62 @@ def test_namespace_metrics_are_opt_in_and_bounded(tmp_path: Path) -> None:
         httpx.get(f"{srv.url}/ec/Qwen/A/uint8/h")
         httpx.get(f"{srv.url}/ec/Qwen/A/uint8/h")
         httpx.head(f"{srv.url}/ec/Qwen/A/uint8/missing")
-        for i in range(5):  # beyond the bound: one _other series, not five
+        for i in range(5):  # namespaces that hold nothing: one _other series, not five
             httpx.get(f"{srv.url}/ec/tenant{i}/uint8/h")
         samples = _samples(httpx.get(srv.url + "/metrics").text, "ec_namespace_lookups_total")
     assert samples == {
         ("Qwen/A", "uint8", "disk"): 2,
         ("Qwen/A", "uint8", "miss"): 1,
-        ("tenant0", "uint8", "miss"): 1,
-        ("_other", "_other", "miss"): 4,
+        ("_other", "_other", "miss"): 5,
     }
+
+
+ADMIN = "admin-token-0123456789ab"
+QWEN = "qwen-token-0123456789abc"
+
+
+def test_no_tenant_crowds_another_out_of_the_namespace_series(tmp_path: Path) -> None:
+    """A token limited to Qwen/* reads 25 invented models (misses) and stores tiny
+    entries in three of its own: the series (2) stay with the namespaces that hold the
+    most bytes, another tenant's; lookups of namespaces holding nothing are _other.
+    Only by storing more bytes than a namespace does a client take its series."""
+    tokens = f"ops:admin:{ADMIN}; qwen:read,write,model=Qwen/*:{QWEN}"
+    with ServerProcess(
+        tmp_path / "d", tmp_path / "log", metrics_namespaces=2, auth_tokens=tokens
+    ) as srv:
+        ops = httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {ADMIN}"})
+        qwen = httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {QWEN}"})
+        for model, size in (("llava/big", 40_000), ("llava/mid", 20_000)):
+            put = ops.put(f"/ec/{model}/uint8/h", content=body((size,), "U8", 1))
+            assert put.status_code == 201
+        for i in range(25):
+            assert qwen.get(f"/ec/Qwen/invented{i}/uint8/h").status_code == 404
+        for i in range(3):
+            put = qwen.put(f"/ec/Qwen/t{i}/uint8/h", content=body((100,), "U8", 1))
+            assert put.status_code == 201
+            assert qwen.get(f"/ec/Qwen/t{i}/uint8/h").status_code == 200
+        assert ops.get("/ec/llava/big/uint8/h").status_code == 200
+        assert ops.get("/ec/llava/big/uint8/absent").status_code == 404
+        assert ops.head("/ec/llava/mid/uint8/h").status_code == 200
+        samples = _samples(ops.get("/metrics").text, "ec_namespace_lookups_total")
+        assert samples == {
+            ("llava/big", "uint8", "disk"): 1,
+            ("llava/big", "uint8", "miss"): 1,
+            ("llava/mid", "uint8", "disk"): 1,
+            ("_other", "_other", "miss"): 25,
+        }
+        # Storing more bytes than llava/mid holds: Qwen/t0 now ranks before it.
+        put = qwen.put("/ec/Qwen/t0/uint8/large", content=body((30_000,), "U8", 1))
+        assert put.status_code == 201
+        samples = _samples(ops.get("/metrics").text, "ec_namespace_lookups_total")
+        assert set(samples) == {
+            ("llava/big", "uint8", "disk"),
+            ("llava/big", "uint8", "miss"),
+            ("Qwen/t0", "uint8", "disk"),
+            ("_other", "_other", "miss"),
+        }
+        ops.close()
+        qwen.close()
 
 
 def test_readiness_gauge_and_changes() -> None:

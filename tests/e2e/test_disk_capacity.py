@@ -105,7 +105,7 @@ def test_concurrent_uploads_reserve_their_space(small_fs: Path, tmp_path: Path) 
         assert refused.status == 503
         assert refused.headers["retry-after"] == "1"
         sock.sendall(first[MB:])
-        assert rawhttp._read_response(sock).status == 201
+        assert rawhttp.read_response(sock).status == 201
         sock.close()
         # Once the first is stored, the second fits by evicting it.
         assert httpx.put(srv.url + "/ec/m/uint8/second", content=second).status_code == 201

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e import rawhttp
 from tests.support.entries import body, crc_hex
 from tests.support.server import ServerProcess
 
@@ -110,3 +111,43 @@ def test_commits_without_delay_still_group_nothing_lost(tmp_path: Path) -> None:
         stats = _stats(srv)
         assert stats["committed_entries"] == 16
         assert 1 <= stats["commit_batches"] <= 16
+
+
+def test_the_loser_of_a_race_in_one_batch_is_answered_with_the_stored_entry(
+    server: ServerProcess,
+) -> None:
+    """Two PUTs of one key with different bodies, committed in one batch: one is 201,
+    the other 200 describing the winner's entry (size, CRC32C, ETag), sent only once
+    that entry is readable: a GET right after either answer returns the winner's bytes."""
+    path = PATH.format("raced")
+    bodies = [body((300_000 + i,), "U8", 1, seed=200 + i) for i in range(2)]
+    sockets = []
+    try:
+        for data in bodies:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sockets.append(sock)
+            head = f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+            sock.sendall(head.encode() + data[:1000])
+        deadline = time.monotonic() + 30  # a wait for the server, not a timing check
+        while _stats(server)["writes_in_flight"] < 2:
+            assert time.monotonic() < deadline, _stats(server)
+            time.sleep(0.02)
+        for sock, data in zip(sockets, bodies, strict=True):
+            sock.sendall(data[1000:])
+        answers = []
+        for sock in sockets:
+            answer = rawhttp.read_response(sock)
+            # At once, before the other answer is read.
+            answers.append((answer, httpx.get(server.url + path, timeout=30)))
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert sorted(answer.status for answer, _ in answers) == [200, 201]
+    winner = bodies[[answer.status for answer, _ in answers].index(201)]
+    for answer, got in answers:
+        assert got.status_code == 200 and got.content == winner
+        described = answer.json()
+        assert described["size"] == len(winner)
+        assert described["crc32c"] == crc_hex(winner)
+        assert answer.headers["etag"] == f'"{crc_hex(winner)}"'
+    assert not list((server.data_dir / "tmp").iterdir())

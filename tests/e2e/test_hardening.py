@@ -229,7 +229,7 @@ def test_oversized_json_bodies_are_refused_not_buffered(server: ServerProcess, p
         with contextlib.suppress(OSError):  # the server closes once it has answered
             for _ in range(8):
                 sock.sendall(piece)
-        chunked = rawhttp._read_response(sock)
+        chunked = rawhttp.read_response(sock)
     assert (chunked.status, chunked.json()["error"]) == (413, "body_too_large")
     small = httpx.post(f"{server.url}/ec/m/uint8/_exists", json={"hashes": ["a"] * 1000})
     assert small.json() == {"present": [False] * 1000}
@@ -248,7 +248,7 @@ def test_stalled_upload_is_cut_off_and_leaves_nothing(tmp_path: Path) -> None:
         data = body((100_000,), "U8", 1)
         sock = _open_upload(srv.port, "/ec/m/uint8/stalled", len(data), data[:1000])
         started = time.monotonic()
-        response = rawhttp._read_response(sock)
+        response = rawhttp.read_response(sock)
         sock.close()
         assert response.status == 408
         assert response.json()["error"] == "request_timeout"
@@ -266,7 +266,7 @@ def test_concurrent_upload_cap_answers_503(tmp_path: Path) -> None:
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "1"
         sock.sendall(data[1000:])
-        assert rawhttp._read_response(sock).status == 201
+        assert rawhttp.read_response(sock).status == 201
         sock.close()
         assert (
             httpx.put(srv.url + "/ec/m/uint8/other", content=body((4,), "U8", 1)).status_code == 201
@@ -284,7 +284,7 @@ def test_sigterm_lets_in_flight_uploads_finish(fresh_server: ServerProcess) -> N
     with pytest.raises(httpx.TransportError):  # no new connections once draining
         httpx.get(fresh_server.url + "/healthz", timeout=2)
     sock.sendall(data[100_000:])
-    assert rawhttp._read_response(sock).status == 201
+    assert rawhttp.read_response(sock).status == 201
     sock.close()
     fresh_server.proc.wait(15)
     fresh_server.start()

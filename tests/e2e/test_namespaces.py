@@ -130,6 +130,22 @@ def test_purge_journal_resumes_at_start_up(tmp_path: Path) -> None:
         assert names == ["new"]
 
 
+def test_a_keys_log_replaced_by_a_directory_does_not_stop_start_up(tmp_path: Path) -> None:
+    """The server starts, logs what is wrong and rebuilds the log; entries are served."""
+    with ServerProcess(tmp_path / "d", tmp_path / "log") as srv:
+        data = _put(srv.url, "m", "uint8", "kept")
+    keys_log = tmp_path / "d" / "keys.log"
+    keys_log.unlink()
+    keys_log.mkdir()
+    with ServerProcess(tmp_path / "d", tmp_path / "log") as srv:
+        assert httpx.get(f"{srv.url}/ec/m/uint8/kept").content == data
+        _put(srv.url, "m", "uint8", "new")
+        usage = httpx.get(srv.url + "/namespaces").json()
+        assert [(n["model"], n["entries"]) for n in usage["namespaces"]] == [("m", 1)]
+    assert "keys.log is not a regular file: moved to" in (tmp_path / "log").read_text()
+    assert keys_log.is_file()
+
+
 def test_purge_needs_admin(tmp_path: Path) -> None:
     tokens = "r:read:reader-token-0123456789; w:read,write:writer-token-0123456789"
     with ServerProcess(tmp_path / "d", tmp_path / "log", auth_tokens=tokens) as srv:

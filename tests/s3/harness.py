@@ -526,11 +526,13 @@ def error_document(status: int) -> bytes:
 
 
 class FaultyFront:
-    """An HTTP front for an S3 endpoint: answers the next ``failures`` GETs (and the next
-    ``put_failures`` PUTs, their bodies read first) itself with ``status`` and its S3
-    error document, and forwards every other GET and PUT unchanged (its signature
-    covers the Host header, which is passed on as received). ``put_headers`` keeps the
-    headers of every PUT it was sent."""
+    """An HTTP front for an S3 endpoint: answers the next ``failures`` GETs (the next
+    ``put_failures`` PUTs, their bodies read first; the next ``delete_failures``
+    DELETEs) itself with ``status`` and its S3 error document, and forwards every other
+    request unchanged (its signature covers the Host header, which is passed on as
+    received). ``put_headers`` keeps the headers of every PUT it was sent. While
+    ``put_gate`` is clear, PUTs wait for it once their body is read (an upload held in
+    flight; ``puts_held`` counts those waiting)."""
 
     def __init__(self, target: str) -> None:
         parts = urlsplit(target)
@@ -540,7 +542,12 @@ class FaultyFront:
         self.status = 503
         self.gets = 0
         self.put_failures = 0
+        self.delete_failures = 0
+        self.deletes = 0
         self.put_headers: list[dict[str, str]] = []
+        self.put_gate = threading.Event()
+        self.put_gate.set()
+        self.puts_held = 0
         front = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -557,9 +564,27 @@ class FaultyFront:
                     return
                 self._forward(None)
 
+            def do_HEAD(self) -> None:
+                self._forward(None)
+
+            def do_POST(self) -> None:
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def do_DELETE(self) -> None:
+                front.deletes += 1
+                if front.delete_failures > 0:
+                    front.delete_failures -= 1
+                    self._fail()
+                    return
+                self._forward(None)
+
             def do_PUT(self) -> None:
                 front.put_headers.append(dict(self.headers.items()))
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                if not front.put_gate.is_set():
+                    front.puts_held += 1
+                    front.put_gate.wait()
+                    front.puts_held -= 1
                 if front.put_failures > 0:
                     front.put_failures -= 1
                     self._fail()
@@ -584,10 +609,16 @@ class FaultyFront:
                 finally:
                     conn.close()
                 self.send_response(answer.status)
+                head = self.command == "HEAD"  # its Content-Length is the object's
                 for name, value in answer.getheaders():
-                    if name.lower() not in ("content-length", "connection", "transfer-encoding"):
-                        self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
+                    name_lower = name.lower()
+                    if name_lower in ("connection", "transfer-encoding"):
+                        continue
+                    if name_lower == "content-length" and not head:
+                        continue
+                    self.send_header(name, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -601,5 +632,6 @@ class FaultyFront:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def close(self) -> None:
+        self.put_gate.set()
         self._server.shutdown()
         self._server.server_close()

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ KEY = EntryKey("org/model", "float32", "abc")
 
 
 class FakeS3:
-    def __init__(self, failures: int = 0) -> None:
+    def __init__(self, failures: int = 0, delete_failures: int = 0) -> None:
         self.failures = failures
+        self.delete_failures = delete_failures
         self.uploaded: list[EntryKey] = []
         self.deleted: list[EntryKey] = []
         self.calls = 0
@@ -38,6 +40,9 @@ class FakeS3:
         self.uploaded.append(item.key)
 
     async def delete(self, key: EntryKey) -> None:
+        if self.delete_failures > 0:
+            self.delete_failures -= 1
+            raise ConnectionError("S3 down")
         self.deleted.append(key)
 
 
@@ -161,35 +166,56 @@ async def test_entry_gone_is_dropped_not_retried(tmp_path: Path, disk: DiskTier)
     assert calls == 1 and disk.stats().pinned == 0
 
 
-async def test_bounds_and_discard(tmp_path: Path, disk: DiskTier) -> None:
-    queue = make_queue(tmp_path, disk, FakeS3(), max_entries=1, max_bytes=1000)
+async def test_bounds_and_a_delete_with_nothing_pending(tmp_path: Path, disk: DiskTier) -> None:
+    s3 = FakeS3()
+    queue = make_queue(tmp_path, disk, s3, max_entries=1, max_bytes=1000)
     assert queue.has_room(1000) and not queue.has_room(1001)
     item = queue.reserve(KEY, 100, 0)
     assert not queue.has_room(1)  # one entry at most
     queue.write_record(item)
-    assert queue.discard(KEY) is False
+    queue.release(item, on_disk=False)  # the PUT failed: nothing owed
     assert len(queue) == 0 and queue.pending_bytes == 0 and disk.stats().pinned == 0
     assert list((tmp_path / "upload-queue").iterdir()) == []
 
+    # A DELETE of a key with no pending upload still owes the S3 delete, journaled.
+    item = await queue.mark_deleted(KEY)
+    record = json.loads((tmp_path / "upload-queue" / f"{KEY.digest}.json").read_text())
+    assert (record["deleted"], record["upload"]) == (True, False)
+    assert queue.hides(KEY) and queue.deletes_pending == 1
+    await queue.delete_now(item)
+    assert s3.deleted == [KEY] and not queue.hides(KEY)
+    assert len(queue) == 0 and disk.stats().pinned == 0
+    assert list((tmp_path / "upload-queue").iterdir()) == []
 
-async def test_discard_during_a_failing_upload_is_not_retried(
-    tmp_path: Path, disk: DiskTier
-) -> None:
-    started, fail = asyncio.Event(), asyncio.Event()
-    calls = 0
+
+def blocking_upload(
+    started: asyncio.Event, finish: asyncio.Event, outcome: list[BaseException | None]
+) -> Callable[[PendingUpload], Awaitable[None]]:
+    """An upload that starts, waits for ``finish``, then raises ``outcome[0]`` (if any)."""
 
     async def upload(item: PendingUpload) -> None:
-        nonlocal calls
-        calls += 1
         started.set()
-        await fail.wait()
-        raise ConnectionError("S3 down")
+        await finish.wait()
+        if outcome[0] is not None:
+            raise outcome[0]
 
-    s3 = FakeS3()
+    return upload
+
+
+@pytest.mark.parametrize("upload_fails", [False, True])
+async def test_a_delete_during_an_upload_is_sent_after_it_until_s3_confirms(
+    tmp_path: Path, disk: DiskTier, upload_fails: bool
+) -> None:
+    """A DELETE while the upload is in flight: journaled at once (a restart keeps it),
+    the object hidden; once the upload is over (stored, or failed: its outcome unknown)
+    the delete is sent, retried past a failure, and only then is the record gone."""
+    started, finish = asyncio.Event(), asyncio.Event()
+    outcome: list[BaseException | None] = [ConnectionError("timed out") if upload_fails else None]
+    s3 = FakeS3(delete_failures=1)
     queue = UploadQueue(
         tmp_path,
         disk,
-        upload,
+        blocking_upload(started, finish, outcome),
         s3.delete,
         max_entries=10,
         max_bytes=1 << 20,
@@ -202,15 +228,96 @@ async def test_discard_during_a_failing_upload_is_not_retried(
     try:
         put_pending(queue, disk, KEY, body((4, 4)))
         await asyncio.wait_for(started.wait(), 5)
-        assert queue.discard(KEY) is True  # the upload is running: it is told, not cut
-        fail.set()
-        assert await queue.wait_idle(5)  # the failed attempt forgets it: no retry
-        await asyncio.sleep(0.1)
+        item = await queue.mark_deleted(KEY)
+        assert queue.hides(KEY)
+        await queue.delete_now(item)  # the upload is in flight: not now
+        assert s3.deleted == []
+        record = json.loads((tmp_path / "upload-queue" / f"{KEY.digest}.json").read_text())
+        assert (record["deleted"], record["upload"]) == (True, False)
+
+        restarted = make_queue(tmp_path, DiskTier(tmp_path, 1 << 20), FakeS3())
+        assert restarted.load() == 1 and restarted.hides(KEY)
+
+        finish.set()
+        assert await queue.wait_idle(5)
     finally:
         await queue.stop()
-    assert calls == 1 and s3.deleted == []
-    assert disk.stats().pinned == 0
+    assert s3.deleted == [KEY]  # once, after the failed first try
+    registry = queue.metrics.registry
+    assert registry.get_sample_value("ec_s3_upload_queue_deletes_total", {"outcome": "retry"}) == 1
+    assert not queue.hides(KEY) and disk.stats().pinned == 0
     assert list((tmp_path / "upload-queue").iterdir()) == []
+
+
+async def test_a_put_after_a_delete_is_uploaded_after_the_delete(
+    tmp_path: Path, disk: DiskTier
+) -> None:
+    """The key owes a delete that fails (S3 down); a new PUT of it is journaled with
+    both, and at restart the delete goes first, then the new entry's upload."""
+    s3 = FakeS3(delete_failures=100)
+    queue = make_queue(tmp_path, disk, s3)
+    item = await queue.mark_deleted(KEY)
+    await queue.delete_now(item)
+    assert queue.hides(KEY) and s3.deleted == []
+    put_pending(queue, disk, KEY, body((4, 4), seed=9))
+    record = json.loads((tmp_path / "upload-queue" / f"{KEY.digest}.json").read_text())
+    assert (record["deleted"], record["upload"]) == (True, True)
+
+    order: list[str] = []
+
+    async def upload(pending: PendingUpload) -> None:
+        order.append("upload")
+
+    async def delete(key: EntryKey) -> None:
+        order.append("delete")
+
+    disk2 = DiskTier(tmp_path, 1 << 20)
+    queue2 = UploadQueue(
+        tmp_path,
+        disk2,
+        upload,
+        delete,
+        max_entries=10,
+        max_bytes=1 << 20,
+        workers=2,
+        retry_min=0.01,
+        retry_max=0.01,
+        registry=CollectorRegistry(),
+    )
+    assert queue2.load() == 1
+    disk2.rebuild()
+    assert queue2.reconcile() == 1
+    await queue2.start()
+    try:
+        assert await queue2.wait_idle(5)
+    finally:
+        await queue2.stop()
+    assert order == ["delete", "upload"]
+    assert disk2.contains(KEY)
+
+
+async def test_a_delete_interrupted_by_a_crash_is_finished_at_start_up(
+    tmp_path: Path, disk: DiskTier
+) -> None:
+    """Journaled, then the process died before the disk entry went: start-up removes
+    the entry, and the S3 delete is sent."""
+    queue = make_queue(tmp_path, disk, FakeS3())
+    put_pending(queue, disk, KEY, body((4, 4)))
+    await queue.mark_deleted(KEY)  # and nothing more: the crash
+    s3 = FakeS3()
+    disk2 = DiskTier(tmp_path, 1 << 20)
+    queue2 = make_queue(tmp_path, disk2, s3)
+    assert queue2.load() == 1
+    disk2.rebuild()
+    assert disk2.contains(KEY)
+    assert queue2.reconcile() == 1
+    assert not disk2.contains(KEY) and queue2.hides(KEY)
+    await queue2.start()
+    try:
+        assert await queue2.wait_idle(5)
+    finally:
+        await queue2.stop()
+    assert s3.deleted == [KEY] and s3.uploaded == []
 
 
 async def test_concurrent_puts_of_one_key_share_the_record(tmp_path: Path, disk: DiskTier) -> None:

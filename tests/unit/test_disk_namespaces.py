@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,36 @@ def test_contains_hashes_by_namespace_and_for_unattributed_entries(tmp_path: Pat
     assert again.contains_hashes("other", "uint8", ["k3"]) == [True]
     _put(again, "m", "uint8", "k6")  # attributed beside unattributed ones
     assert again.contains_hashes("m", "uint8", ["k6", "k4", "k9"]) == [True, True, False]
+
+
+@pytest.mark.parametrize("replacement", ["directory", "fifo"])
+def test_a_keys_log_that_is_not_a_file_is_set_aside_and_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, replacement: str
+) -> None:
+    """keys.log replaced by a directory (or a FIFO, which would block a read): start-up
+    says so, moves it aside and rebuilds the log; the entries stay, unattributed."""
+    tier = DiskTier(tmp_path, 1_000_000)
+    tier.rebuild()
+    size = _put(tier, "m", "uint8", "before")
+    tier.close()
+    log_path = tmp_path / "keys.log"
+    log_path.unlink()
+    if replacement == "directory":
+        log_path.mkdir()
+        (log_path / "inside").write_text("operator's file")
+    else:
+        os.mkfifo(log_path)
+
+    again = DiskTier(tmp_path, 1_000_000)
+    again.rebuild()
+    assert "keys.log is not a regular file: moved to" in caplog.text
+    (aside,) = tmp_path.glob("keys.log.invalid-*")
+    assert aside.is_dir() if replacement == "directory" else aside.is_fifo()
+    assert _usage(again) == {(None, None): (1, size)}
+    _put(again, "m", "uint8", "after")
+    assert log_path.is_file()
+    again.close()
+
+    third = DiskTier(tmp_path, 1_000_000)
+    third.rebuild()
+    assert _usage(third) == {("m", "uint8"): (1, size), (None, None): (1, size)}

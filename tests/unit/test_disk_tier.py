@@ -261,6 +261,42 @@ def _begin(tier: DiskTier, name: str, data: bytes) -> PendingWrite:
     return pending
 
 
+def test_a_batch_of_more_pieces_than_iov_max_is_written_whole(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body received in small pieces hands thousands to one write: they go out
+    IOV_MAX at a time (more: EINVAL), short writes resumed. Pieces of 1 MiB go out in
+    one writev."""
+    iov_max = os.sysconf("SC_IOV_MAX")
+    calls: list[int] = []
+    real = os.writev
+    short = True
+
+    def counting(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        return real(fd, buffers[:3] if short and len(buffers) > 3 else buffers)
+
+    monkeypatch.setattr(os, "writev", counting)
+    data = body((9000,), "U8", 1, seed=3)
+    pieces = [data[i : i + 3] for i in range(0, len(data), 3)]
+    assert len(pieces) > 2 * iov_max
+    pending = tier.begin_write(_key("pieces"), len(data))
+    pending.write(pieces)
+    assert max(calls) <= iov_max
+    assert pending.commit(crc32c(data), validate_body(data, "uint8")) is True
+    assert _read(tier, "pieces") == data
+
+    calls.clear()
+    short = False
+    big = DiskTier(tier.root / "big", max_bytes=10 * 1024 * 1024)
+    big.rebuild()
+    pending = big.begin_write(_key("big"))
+    pending.write([bytes(1024 * 1024)] * 4)
+    assert calls == [4] and pending.written == 4 * 1024 * 1024
+    pending.abort()
+    big.close()
+
+
 def test_group_commit_one_batch_for_uploads_in_flight(tmp_path: Path) -> None:
     """With a commit delay, the committer waits for the temp files still being written:
     uploads finishing together share one batch (one fsync per directory)."""
@@ -282,16 +318,63 @@ def test_group_commit_one_batch_for_uploads_in_flight(tmp_path: Path) -> None:
 
 
 def test_group_commit_first_writer_wins_within_a_batch(tmp_path: Path) -> None:
+    """The loser of a same-batch race is answered only once the winner's entry is
+    published: whoever is told "already stored" can read it at once."""
     tier = DiskTier(tmp_path, max_bytes=100_000, commit_delay=30)
     tier.rebuild()
     first, second = body((100,), "U8", 1, seed=1), body((100,), "U8", 1, seed=2)
     a, b = _begin(tier, "same", first), _begin(tier, "same", second)
+    holder = tier.begin_write(_key("other"))  # the batch waits while it is in flight
+    readable_when_answered: list[bytes | None] = []
+    answered = threading.Event()
+
+    def on_answer(_: object) -> None:
+        readable_when_answered.append(_read(tier, "same"))
+        answered.set()
+
     fa = a.submit(crc32c(first), validate_body(first, "uint8"))
     fb = b.submit(crc32c(second), validate_body(second, "uint8"))
+    fb.add_done_callback(on_answer)
+    holder.abort()
     assert (fa.result(timeout=20), fb.result(timeout=20)) == (True, False)
+    assert answered.wait(20)
+    assert readable_when_answered == [first]
     assert _read(tier, "same") == first
     assert len(_files(tier.root / "objects")) == 1
     assert _files(tier.root / "tmp") == []
+    tier.close()
+
+
+def test_group_commit_loser_takes_over_when_the_winner_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the first upload of a key fails in its batch, the next one of that batch is
+    not told of an entry that never existed: it is committed in its place."""
+    tier = DiskTier(tmp_path, max_bytes=100_000, commit_delay=30)
+    tier.rebuild()
+    first, second, third = (body((100,), "U8", 1, seed=i) for i in (1, 2, 3))
+    a, b, c = (_begin(tier, "same", data) for data in (first, second, third))
+    bad_fd = a.fd
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        if fd == bad_fd:
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    fa, fb, fc = (
+        pending.submit(crc32c(data), validate_body(data, "uint8"))
+        for pending, data in ((a, first), (b, second), (c, third))
+    )
+    with pytest.raises(OSError, match="Input/output error"):
+        fa.result(timeout=20)
+    assert (fb.result(timeout=20), fc.result(timeout=20)) == (True, False)
+    assert _read(tier, "same") == second
+    assert len(_files(tier.root / "objects")) == 1
+    assert _files(tier.root / "tmp") == []
+    stats = tier.stats()
+    assert (stats.commit_batches, stats.committed_entries) == (2, 1)  # two rounds
     tier.close()
 
 

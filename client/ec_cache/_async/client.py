@@ -355,11 +355,7 @@ class AsyncClient(ClientBase):
             finally:
                 await response.aclose()
             if response.status_code == 200:
-                present = _core.json_body(content, url)
-                present = present.get("present") if isinstance(present, dict) else None
-                if not isinstance(present, list) or len(present) != len(batch):
-                    raise TransportError(f"{url}: malformed _exists answer", url=url)
-                return [bool(v) for v in present]
+                return _core.present_list(_core.json_body(content, url), len(batch), url)
             await self._miss(response, url)
             return [False] * len(batch)
 
