@@ -65,8 +65,8 @@ system-deps:
 ## lint: ruff, the generated sync client, and every import declared (deptry)
 lint: $(VENV)/.test
 	$(PY) scripts/unasync.py --check
-	$(VENV)/bin/ruff check app client bench tests
-	$(VENV)/bin/ruff format --check app client bench tests
+	$(VENV)/bin/ruff check app client bench tests testkit
+	$(VENV)/bin/ruff format --check app client bench tests testkit
 	$(VENV)/bin/deptry app
 	cd client && ../$(VENV)/bin/deptry ec_cache
 
