@@ -18,7 +18,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: run sdk lock test system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: run sdk lock test system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -104,6 +104,14 @@ bench: system-deps $(VENV)/.test
 
 bench-quick: system-deps $(VENV)/.test
 	$(PY) -m bench --quick
+
+## bench-serve: what the cache saves in serving, vLLM's own client against vLLM with and
+## without the connector (bench/serve.py), and the break-even table of the latest
+## `make bench` (bench/break_even.py); results in bench/results/serve.* and break-even.*
+bench-serve: $(VENV)/.test
+	bash scripts/setup-vllm-engine-venv.sh
+	$(PY) -m bench.serve
+	$(PY) -m bench.break_even
 
 ## bench-gpu: the SDK's GPU path (bench/gpu.py) on a CUDA machine, with that machine's
 ## python3 (no .venv: see bench/README.md, "GPU path"); results in $(GPU_OUT)
