@@ -11,8 +11,7 @@ import pytest
 
 from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Error, S3Unavailable
-from app.tiers.s3.transfers import put_bytes
-from tests.s3.conftest import StoreFactory, read_object
+from tests.s3.conftest import StoreFactory, read_object, write_object
 from tests.s3.harness import FaultyFront, S3Endpoint
 
 pytestmark = pytest.mark.anyio
@@ -28,12 +27,12 @@ async def test_keys_that_need_encoding_are_signed_and_read_back(
     store = make_store()
     key = f"{store.prefix}/org/model/bfloat16/{name}.safetensors"
     data = f"body of {name}".encode() * 100
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
     assert (download.info.size, download.info.crc32c) == (len(data), crc(data))
     async with download:
-        assert await download.read_all() == data
+        assert b"".join([bytes(chunk) async for chunk in download.chunks()]) == data
 
 
 async def test_what_boto3_reports_as_errors(
@@ -60,7 +59,7 @@ async def test_throttling_is_retried_up_to_max_attempts(
     store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
     key = f"{store.prefix}/retried.safetensors"
     data = b"retried" * 1000
-    await put_bytes(make_store(), key, data, crc32c=crc(data))  # the front passes GETs only
+    await write_object(make_store(), key, data, crc32c=crc(data))  # the front passes GETs only
 
     faulty_front.failures, faulty_front.gets = 2, 0
     assert await read_object(store, key) == data

@@ -19,8 +19,7 @@ import trustme
 from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Unavailable
 from app.tiers.s3.loop_get import PIECE_BYTES
-from app.tiers.s3.transfers import put_bytes
-from tests.s3.conftest import MiB, StoreFactory, read_object
+from tests.s3.conftest import MiB, StoreFactory, read_object, write_object
 from tests.s3.harness import CountingProxy, FaultyFront
 
 pytestmark = pytest.mark.anyio
@@ -103,7 +102,7 @@ async def test_connections_are_kept_alive_and_reused(
     store = make_store(s3_endpoint_url=counting_proxy.url)
     objects = {f"{writer.prefix}/{n}.safetensors": bytes([n]) * (n * 300_000 + 1) for n in range(3)}
     for key, data in objects.items():
-        await put_bytes(writer, key, data, crc32c=crc(data))
+        await write_object(writer, key, data, crc32c=crc(data))
     for key, data in objects.items():
         assert await read_object(store, key) == data
     assert counting_proxy.count("GET") == 3
@@ -117,7 +116,7 @@ async def test_a_body_closed_early_drops_its_connection(
     store = make_store(s3_endpoint_url=counting_proxy.url)
     key = f"{writer.prefix}/big.safetensors"
     data = bytes(range(256)) * (3 * MiB // 256)
-    await put_bytes(writer, key, data, crc32c=crc(data))
+    await write_object(writer, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
     async with download:
@@ -136,7 +135,7 @@ async def test_a_kept_alive_connection_closed_by_s3_is_replaced(
     store = make_store(s3_endpoint_url=counting_proxy.url, s3_max_attempts=1)
     key = f"{writer.prefix}/again.safetensors"
     data = b"again" * 10_000
-    await put_bytes(writer, key, data, crc32c=crc(data))
+    await write_object(writer, key, data, crc32c=crc(data))
     assert await read_object(store, key) == data
     counting_proxy.down = True  # cuts the kept-alive connection
     counting_proxy.down = False
@@ -167,7 +166,8 @@ async def test_a_stalled_body_times_out_and_a_slow_one_does_not(
     started = time.monotonic()
     with pytest.raises(S3Unavailable, match=r"sent nothing for 0\.5 s"):
         async with download:
-            await download.read_all()
+            async for _ in download.chunks():
+                pass
     assert time.monotonic() - started < 2.5
     assert not store.available
 
@@ -202,7 +202,7 @@ async def test_behind_a_proxy_the_get_uses_botocores_transport(
     writer = make_store()
     key = f"{writer.prefix}/proxied.safetensors"
     data = b"proxied" * 10_000
-    await put_bytes(writer, key, data, crc32c=crc(data))
+    await write_object(writer, key, data, crc32c=crc(data))
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", faulty_front.url)
@@ -254,7 +254,7 @@ async def test_a_slow_consumer_is_not_a_silent_s3(make_store: StoreFactory) -> N
     store = make_store(s3_read_timeout=0.5, s3_get_chunk_size=64 * 1024, s3_max_attempts=1)
     key = f"{store.prefix}/slowly.safetensors"
     data = bytes(range(256)) * 4096
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
     received = bytearray()

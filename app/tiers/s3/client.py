@@ -196,11 +196,6 @@ class S3Download:
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self.chunks()
 
-    async def read_all(self) -> bytes:
-        """The whole body (tests and small objects only)."""
-        parts = [chunk async for chunk in self.chunks()]
-        return b"".join(parts)
-
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
@@ -228,9 +223,10 @@ class S3Client:
         secret_access_key: str | None = None,
         session_token: str | None = None,
     ) -> None:
-        if not settings.s3_bucket:
-            raise ValueError("S3 bucket name is empty")
+        if not settings.s3_endpoint_url or not settings.s3_bucket:
+            raise ValueError("S3 endpoint URL or bucket name is empty")
         self.settings = settings
+        self.endpoint: str = settings.s3_endpoint_url
         self.bucket: str = settings.s3_bucket
         self.prefix = settings.s3_prefix.strip("/")
         self.cooldown = settings.s3_unavailable_cooldown
@@ -270,7 +266,7 @@ class S3Client:
         #: The boto3 client (thread-safe); call it only through :meth:`call`.
         self.client: Any = session.client(
             "s3",
-            endpoint_url=settings.s3_endpoint_url,
+            endpoint_url=self.endpoint,
             verify=settings.s3_verify_tls,
             config=config,
         )
@@ -278,7 +274,7 @@ class S3Client:
         #: even when the endpoint is a black hole.
         self.probe_client: Any = session.client(
             "s3",
-            endpoint_url=settings.s3_endpoint_url,
+            endpoint_url=self.endpoint,
             verify=settings.s3_verify_tls,
             config=Config(
                 connect_timeout=min(settings.s3_connect_timeout, 1.0),
@@ -466,14 +462,6 @@ class S3Client:
             return data
 
         return await self.call("get_range", _get, not_found_ok=True)
-
-    async def get_bytes(self, key: str) -> bytes | None:
-        """The whole object in memory, or ``None`` (tests, small objects)."""
-        download = await self.open(key)
-        if download is None:
-            return None
-        async with download:
-            return await download.read_all()
 
     async def delete(self, key: str) -> None:
         """Remove an object; absent objects are fine."""

@@ -109,7 +109,6 @@ class ThreadedBody:
     ) -> None:
         self._executor = executor
         self._raw = raw
-        self._size = size
         self._chunk_size = chunk_size
         self._arrived: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
         self._job: asyncio.Future[None] | None = None

@@ -60,10 +60,10 @@ class SignedPut:
         checksum_crc32c: str,
         metadata: Mapping[str, str],
     ) -> None:
-        """PUT ``size`` bytes of ``body`` as ``key``: bytes, or a file-like object
-        (``read``, ``seekable``; when seekable, ``tell`` and ``seek`` rewind it for a
-        retry). Raises botocore's exceptions, as ``put_object`` would. Blocking: call it
-        on the S3 thread pool."""
+        """PUT ``size`` bytes of ``body`` as ``key``: a file-like object (``read``,
+        ``seekable``; when seekable, ``tell`` and ``seek`` rewind it for a retry).
+        Raises botocore's exceptions, as ``put_object`` would. Blocking: call it on the
+        S3 thread pool."""
         headers = {
             "Content-Length": str(size),
             "Content-Type": content_type,
@@ -73,13 +73,12 @@ class SignedPut:
         }
         if size > EXPECT_CONTINUE_ABOVE:
             headers["Expect"] = "100-continue"
-        in_memory = isinstance(body, bytes | bytearray | memoryview)
-        rewindable = in_memory or body.seekable()
-        start = body.tell() if rewindable and not in_memory else 0
+        rewindable = body.seekable()
+        start = body.tell() if rewindable else 0
         retried(
             lambda: self._put_once(key, headers, body),
             self._max_attempts if rewindable else 1,
-            None if in_memory else lambda: body.seek(start),
+            lambda: body.seek(start),
         )
 
     def _put_once(self, key: str, headers: Mapping[str, str], body: Any) -> None:

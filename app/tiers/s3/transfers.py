@@ -31,8 +31,6 @@ from app.tiers.s3.errors import S3Error
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-#: S3 refuses multipart parts smaller than this (except the last one).
-MIN_PART_SIZE = 5 * MiB
 #: S3 allows at most this many parts in one multipart upload.
 MAX_PARTS = 10_000
 
@@ -101,18 +99,6 @@ def _put_object(
         metadata=object_metadata(crc32c, metadata),
     )
     s3.metrics.bytes_up.inc(size)
-
-
-async def put_bytes(
-    s3: S3Client,
-    key: str,
-    data: bytes,
-    *,
-    crc32c: int,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Single PUT of an in-memory body (tests, small objects)."""
-    await s3.call("put", lambda: _put_object(s3, key, data, len(data), crc32c, metadata))
 
 
 class MappedFileBody:
@@ -300,11 +286,6 @@ class StreamingPut:
 
         self._task: asyncio.Future[bool | None] = asyncio.ensure_future(s3.call("put", _send))
         self._task.add_done_callback(_consume_result)
-
-    @property
-    def failed(self) -> bool:
-        """The upload is over before its end: S3 refused or broke it (``finish`` raises)."""
-        return self._task.done()
 
     async def feed(self, chunks: Sequence[bytes | memoryview]) -> None:
         """Hand received chunks to the sender (all but their last ``HELD_BACK_BYTES``
