@@ -251,8 +251,7 @@ class S3Backend:
         """Create the bucket if asked to and say, in one log line, whether S3 is usable."""
         settings = self.client.settings
         where = (
-            f"{settings.s3_endpoint_url or 'AWS S3'} bucket {self.client.bucket!r} "
-            f"prefix {settings.s3_prefix!r}"
+            f"{self.client.endpoint} bucket {self.client.bucket!r} prefix {settings.s3_prefix!r}"
         )
         if settings.s3_create_bucket:
             try:
@@ -264,11 +263,14 @@ class S3Backend:
         if state.ok:
             log.info("S3 tier ready: %s", where)
         else:
+            # What other reads answer meanwhile: the mapping of ``to_http_error``.
+            answer = "503 unavailable" if state.state == "unreachable" else "502 s3_error"
             log.error(
                 "S3 tier NOT READY (%s): %s -- disk hits are still served; other reads "
-                "answer 503 until this is fixed",
+                "answer %s until this is fixed",
                 state.state,
                 state.reason,
+                answer,
             )
 
     async def stop(self) -> None:
