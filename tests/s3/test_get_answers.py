@@ -64,13 +64,13 @@ async def test_throttling_is_retried_up_to_max_attempts(
     faulty_front.failures, faulty_front.gets = 2, 0
     assert await read_object(store, key) == data
     assert faulty_front.gets == 3  # two answered SlowDown, the third went through
-    assert store.available
+    assert store.breaker.available
 
     faulty_front.failures, faulty_front.gets = 3, 0
     with pytest.raises(S3Unavailable, match="SlowDown"):
         await read_object(store, key)
     assert faulty_front.gets == 3
-    assert not store.available  # the breaker opened after the last attempt
+    assert not store.breaker.available  # the breaker opened after the last attempt
 
 
 async def test_a_client_error_is_not_retried(

@@ -141,7 +141,7 @@ async def test_a_kept_alive_connection_closed_by_s3_is_replaced(
     counting_proxy.down = False
     assert await read_object(store, key) == data
     assert counting_proxy.connections == 2
-    assert store.available
+    assert store.breaker.available
 
 
 async def test_a_stalled_body_times_out_and_a_slow_one_does_not(
@@ -169,7 +169,7 @@ async def test_a_stalled_body_times_out_and_a_slow_one_does_not(
             async for _ in download.chunks():
                 pass
     assert time.monotonic() - started < 2.5
-    assert not store.available
+    assert not store.breaker.available
 
     server.script = trickle
     store = make_store(s3_endpoint_url=server.url, s3_read_timeout=0.5, s3_max_attempts=1)
@@ -246,7 +246,7 @@ async def test_what_a_server_gets_wrong_about_the_framing(
     server.script = missing_chunked  # an error document in chunked encoding
     store = make_store(s3_endpoint_url=server.url, s3_max_attempts=1)
     assert await read_object(store, "missing") is None
-    assert store.available
+    assert store.breaker.available
 
 
 async def test_a_slow_consumer_is_not_a_silent_s3(make_store: StoreFactory) -> None:

@@ -13,8 +13,9 @@ import pytest
 
 from app.checksum import crc32c as crc
 from app.keys import EntryKey
-from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_to_b64
+from app.tiers.s3.client import S3Client
 from app.tiers.s3.errors import S3Error, S3Unavailable
+from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_to_b64
 from app.tiers.s3.readiness import check_ready, ensure_bucket
 from app.tiers.s3.signed_get import FIRST_READ_BYTES
 from app.tiers.s3.transfers import put_file
@@ -233,7 +234,7 @@ async def test_nothing_listening_is_unavailable(make_store: StoreFactory) -> Non
     with pytest.raises(S3Unavailable, match="marked unavailable"):
         await store.open(key_for(store, "m", "int8", "x"))
     assert time.monotonic() - started < 10
-    assert store.retry_after() > 1
+    assert store.breaker.retry_after() > 1
     state = await check_ready(store)
     assert not state.ok and state.state == "unreachable", state
 
@@ -271,4 +272,4 @@ async def test_connection_cut_mid_body_is_unavailable(
         async with download:
             async for _ in download.chunks():
                 counting_proxy.down = True
-    assert not store.available  # breaker opened by the broken body
+    assert not store.breaker.available  # breaker opened by the broken body

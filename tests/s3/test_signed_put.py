@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.checksum import crc32c as crc
-from app.tiers.s3.client import crc32c_to_b64
 from app.tiers.s3.errors import S3Error, S3Unavailable
+from app.tiers.s3.objects import crc32c_to_b64
 from app.tiers.s3.transfers import object_metadata, put_file
 from tests.s3.conftest import MiB, StoreFactory, read_object, write_object
 from tests.s3.harness import FaultyFront, S3Endpoint
@@ -95,7 +95,7 @@ async def test_throttling_is_retried_with_the_body_sent_again(
     await put_file(store, key, tmp_file(data), crc32c=crc(data))
     assert len(faulty_front.put_headers) == 3
     assert await read_object(store, key) == data  # sent whole again from its start
-    assert store.available
+    assert store.breaker.available
 
     small = b"retried bytes" * 100
     faulty_front.put_failures, faulty_front.put_headers = 1, []
@@ -107,7 +107,7 @@ async def test_throttling_is_retried_with_the_body_sent_again(
     with pytest.raises(S3Unavailable, match="SlowDown"):
         await write_object(store, key, data, crc32c=crc(data))
     assert len(faulty_front.put_headers) == 3
-    assert not store.available  # the breaker opened after the last attempt
+    assert not store.breaker.available  # the breaker opened after the last attempt
     assert await read_object(make_store(), key) == small  # the failed upload changed nothing
 
 
@@ -121,7 +121,7 @@ async def test_a_client_error_is_not_retried(
         await write_object(store, f"{store.prefix}/forbidden.safetensors", data, crc32c=crc(data))
     assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
     assert len(faulty_front.put_headers) == 1
-    assert store.available  # it answered
+    assert store.breaker.available  # it answered
 
 
 async def test_a_body_that_cannot_be_rewound_gets_one_attempt(
@@ -165,7 +165,7 @@ async def test_a_wrong_secret_is_a_credentials_error_not_retried(
     with pytest.raises(S3Error) as caught:
         await write_object(store, f"{store.prefix}/denied.safetensors", data, crc32c=crc(data))
     assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
-    assert store.available
+    assert store.breaker.available
 
 
 async def test_uploads_go_through_a_proxy(

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from app.checksum import crc32c as crc
-from app.tiers.s3.client import METADATA_CRC_KEY, crc32c_from_b64, crc32c_to_b64
+from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_from_b64, crc32c_to_b64
 from app.tiers.s3.transfers import (
     MAX_PARTS,
     MappedFileBody,

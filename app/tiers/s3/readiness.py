@@ -85,7 +85,7 @@ def _check_ready_sync(s3: S3Client) -> Readiness:
     except Exception as exc:
         first = exc
     else:
-        s3.mark_available()
+        s3.breaker.mark_available()
         return Readiness(True, f"{where} reachable", "ok")
     if isinstance(first, bce.NoCredentialsError | bce.PartialCredentialsError):
         return Readiness(
@@ -96,9 +96,9 @@ def _check_ready_sync(s3: S3Client) -> Readiness:
         )
     mapped = map_error(first, "head_bucket")
     if isinstance(mapped, S3Unavailable):
-        s3.mark_unavailable(str(mapped))
+        s3.breaker.mark_unavailable(str(mapped))
         return Readiness(False, f"{where} unreachable: {mapped}", "unreachable")
-    s3.mark_available()
+    s3.breaker.mark_available()
     code, status, _ = (
         client_error_info(first) if isinstance(first, bce.ClientError) else ("", 0, "")
     )

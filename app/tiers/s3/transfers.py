@@ -1,4 +1,6 @@
-"""Uploads: one ``PutObject`` below the multipart threshold, multipart above it.
+"""Uploads: a file in one ``PutObject`` below the multipart threshold, in parts above it
+(:func:`put_file`), or a body sent as it is received (:class:`StreamingPut`, a
+write-through PUT below the threshold).
 
 Every upload carries the entry's CRC32C twice: as the S3 object checksum
 (``ChecksumAlgorithm=CRC32C``), so the endpoint refuses a body that does not match (single
@@ -25,8 +27,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from app.checksum import crc32c as crc32c_of
-from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_to_b64
+from app.tiers.s3.client import S3Client
 from app.tiers.s3.errors import S3Error
+from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_to_b64
 
 log = logging.getLogger(__name__)
 
