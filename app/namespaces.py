@@ -19,7 +19,7 @@ batched ``DeleteObjects`` of up to 1000 keys. It runs in the background and is
 * **reported**: entries and bytes removed from disk, objects deleted from S3, the cursor,
   timestamps (``GET /namespaces/purges``).
 
-Disk entries whose key is unknown (see ``app.tiers.disk``) go with any purge. Every
+Disk entries whose key is unknown (see ``app.tiers.disk.keys_log``) go with any purge. Every
 replica has its own disk: run the purge on each (``ec-cache purge`` does).
 """
 
@@ -43,7 +43,8 @@ from app.errors import ECError
 from app.keys import DTYPES, EntryKey
 from app.retries import backoff
 from app.tiers.base import Backend
-from app.tiers.disk import DiskTier, fsync_dir
+from app.tiers.disk import DiskTier
+from app.tiers.disk.file_sync import fsync_dir
 from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import UploadQueue
 

@@ -52,7 +52,8 @@ from app.errors import InvalidKey
 from app.keys import EntryKey
 from app.metrics import UploadQueueMetrics
 from app.retries import backoff
-from app.tiers.disk import DiskTier, StagedFile, fsync_dir
+from app.tiers.disk import DiskTier, StagedFile
+from app.tiers.disk.file_sync import fsync_dir
 
 log = logging.getLogger(__name__)
 
