@@ -236,7 +236,7 @@ async def read_object(store: S3Client, key: str) -> bytes | None:
     download = await store.open(key)
     if download is None:
         return None
-    async with download:
+    async with contextlib.aclosing(download):
         return b"".join([bytes(chunk) async for chunk in download.chunks()])
 
 

@@ -5,6 +5,7 @@ on to the real endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import pytest
@@ -31,7 +32,7 @@ async def test_keys_that_need_encoding_are_signed_and_read_back(
     download = await store.open(key)
     assert download is not None
     assert (download.info.size, download.info.crc32c) == (len(data), crc(data))
-    async with download:
+    async with contextlib.aclosing(download):
         assert b"".join([bytes(chunk) async for chunk in download.chunks()]) == data
 
 

@@ -7,6 +7,7 @@ where it is the network's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 import threading
@@ -119,7 +120,7 @@ async def test_a_body_closed_early_drops_its_connection(
     await write_object(writer, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
-    async with download:
+    async with contextlib.aclosing(download):
         first = await anext(download.chunks())
     assert data.startswith(first) and len(first) < len(data)
     # The rest of that body is not read into the next answer: a new connection serves it.
@@ -165,7 +166,7 @@ async def test_a_stalled_body_times_out_and_a_slow_one_does_not(
     assert download is not None and download.info.size == size
     started = time.monotonic()
     with pytest.raises(S3Unavailable, match=r"sent nothing for 0\.5 s"):
-        async with download:
+        async with contextlib.aclosing(download):
             async for _ in download.chunks():
                 pass
     assert time.monotonic() - started < 2.5
@@ -258,7 +259,7 @@ async def test_a_slow_consumer_is_not_a_silent_s3(make_store: StoreFactory) -> N
     download = await store.open(key)
     assert download is not None
     received = bytearray()
-    async with download:
+    async with contextlib.aclosing(download):
         async for chunk in download.chunks():
             if not received:
                 await asyncio.sleep(0.8)  # S3 fills the read-ahead, then waits for us
@@ -285,7 +286,7 @@ async def test_a_body_is_relayed_as_it_arrives_not_a_chunk_later(
     download = await store.open("relayed")
     assert download is not None
     received = bytearray()
-    async with download:
+    async with contextlib.aclosing(download):
         chunks = download.chunks()
         while len(received) <= sent_first - PIECE_BYTES:
             received += await asyncio.wait_for(anext(chunks), 5)

@@ -3,6 +3,7 @@ or EC_TEST_S3_*)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -81,7 +82,7 @@ async def test_get_streams_in_chunks(make_store: StoreFactory) -> None:
     await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
-    async with download:
+    async with contextlib.aclosing(download):
         assert download.info.size == len(data)
         sizes = [len(chunk) async for chunk in download.chunks()]
     assert sum(sizes) == len(data)
@@ -97,7 +98,7 @@ async def test_object_within_the_first_read(make_store: StoreFactory) -> None:
     await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
-    async with download:
+    async with contextlib.aclosing(download):
         chunks = [chunk async for chunk in download.chunks()]
     assert chunks == [data]
 
@@ -269,7 +270,7 @@ async def test_connection_cut_mid_body_is_unavailable(
     download = await store.open(key)
     assert download is not None
     with pytest.raises(S3Unavailable):
-        async with download:
+        async with contextlib.aclosing(download):
             async for _ in download.chunks():
                 counting_proxy.down = True
     assert not store.breaker.available  # breaker opened by the broken body

@@ -9,7 +9,6 @@ incomplete and must not be used.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from types import TracebackType
 from typing import Protocol
 
 from app.metrics import S3Metrics
@@ -31,8 +30,7 @@ class ObjectBody(Protocol):
 
 class S3Download:
     """An open S3 GET: ``info`` is known, the body is read with :meth:`chunks`. Always
-    ``aclose()`` it (or use ``async with``); closing early drops the connection instead
-    of draining the body."""
+    ``aclose()`` it; closing early drops the connection instead of draining the body."""
 
     def __init__(
         self, info: ObjectInfo, body: ObjectBody, breaker: CircuitBreaker, metrics: S3Metrics
@@ -43,17 +41,6 @@ class S3Download:
         self._metrics = metrics
         self._started = False
         self._closed = False
-
-    async def __aenter__(self) -> S3Download:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
