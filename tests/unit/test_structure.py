@@ -84,3 +84,19 @@ def test_error_json_is_built_in_error_responses_only() -> None:
                 assert "error" not in keys, (
                     f"{path.relative_to(APP)}:{node.lineno} builds error JSON"
                 )
+
+
+ROUTES = ("api.py", "entries.py", "namespaces_api.py")
+STORE_PARTS = {"disk", "s3", "read_through", "uploads", "purges"}
+
+
+def test_routes_reach_the_tiers_only_through_the_store() -> None:
+    """No route module imports a tier, nor reaches into the store's parts."""
+    for name in ROUTES:
+        path = APP / name
+        tiers = [n for n in imported(path) if n.startswith(("app.tiers", "app.namespaces."))]
+        assert not tiers, f"{name} imports {tiers}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in STORE_PARTS:
+                owner = ast.unparse(node.value)
+                assert not owner.endswith("store"), f"{name}:{node.lineno} uses {owner}.{node.attr}"
