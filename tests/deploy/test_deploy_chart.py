@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +150,86 @@ def test_values_schema_rejects_typos_and_bad_values(values: dict[str, Any]) -> N
 )
 def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)
+
+
+def test_grace_period_refusal_names_the_total_it_requires() -> None:
+    """preStopSleepSeconds 5 + shutdownTimeout 30 + drainTimeout 20 = 55 > 45."""
+    message = render_error({"config": {"shutdownTimeout": 30, "writeback": {"drainTimeout": 20}}})
+    assert "terminationGracePeriodSeconds (45) must be >= " in message
+    assert "config.writeback.drainTimeout = 5 + 30 + 20 = 55" in message
+    assert render(
+        {"config": {"writeback": {"drainTimeout": 20}}, "terminationGracePeriodSeconds": 55}
+    )
+
+
+def server_anonymous_values() -> set[str]:
+    """The EC_ANONYMOUS values the server takes (app/auth.py's AnonymousAccess, parsed)."""
+    tree = ast.parse((ROOT / "app" / "auth.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "AnonymousAccess":
+            return {
+                stmt.value.value
+                for stmt in node.body
+                if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant)
+            }
+    raise AssertionError("no AnonymousAccess in app/auth.py")
+
+
+def test_chart_takes_every_anonymous_access_the_server_takes() -> None:
+    values = server_anonymous_values()
+    assert values == {"none", "read", "read-write", "admin"}
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    enum = schema["properties"]["config"]["properties"]["anonymous"]["enum"]
+    assert set(enum) - {None} == values
+    for value in sorted(values - {"none"}):
+        data = one(render({"config": {"anonymous": value}}), "ConfigMap", FULLNAME)["data"]
+        assert data["EC_ANONYMOUS"] == value
+    for doc in (ROOT / "docs" / "deploy.md", CHART / "README.md"):
+        row = next(
+            line for line in doc.read_text().splitlines() if line.startswith("| `EC_ANONYMOUS`")
+        )
+        assert all(f"`{value}`" in row for value in values), (doc.name, row)
+
+
+NOTES_TEMPLATE = """apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: rendered-notes
+data:
+  notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}
+"""
+
+
+def render_notes(values: dict[str, Any]) -> str:
+    """NOTES.txt as ``helm install`` prints it (``helm template`` leaves it out): a copy
+    of the chart renders it through ``tpl`` into a ConfigMap."""
+    with tempfile.TemporaryDirectory() as tmp:
+        chart = Path(tmp) / CHART.name
+        shutil.copytree(CHART, chart)
+        shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+        (chart / "templates" / "rendered-notes.yaml").write_text(NOTES_TEMPLATE)
+        values_file = Path(tmp) / "values.json"
+        values_file.write_text(json.dumps(values))
+        proc = run([tool("helm"), "template", "ec", chart, "--values", values_file])
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    notes: str = one(docs, "ConfigMap", "rendered-notes")["data"]["notes"]
+    return notes
+
+
+def test_notes_say_what_anonymous_requests_may_do() -> None:
+    """DELETE and purge need the admin scope: read-write may not delete."""
+    said = {
+        value: next(
+            line
+            for line in render_notes({"config": {"anonymous": value}}).splitlines()
+            if line.startswith("Anything that can reach the Service")
+        )
+        for value in ("read", "read-write", "admin")
+    }
+    assert "can read entries." in said["read"]
+    assert "can read and add entries." in said["read-write"]
+    assert "can read, add, delete and purge entries." in said["admin"]
 
 
 # --------------------------------------------------------- config <-> server settings
