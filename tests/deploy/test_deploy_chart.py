@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+import shlex
 import shutil
+import string
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -230,6 +233,42 @@ def test_notes_say_what_anonymous_requests_may_do() -> None:
     assert "can read entries." in said["read"]
     assert "can read and add entries." in said["read-write"]
     assert "can read, add, delete and purge entries." in said["admin"]
+
+
+def test_deploy_doc_helm_quick_start_is_complete() -> None:
+    """docs/deploy.md's Helm block defines every variable it uses, and what it installs
+    is what it then reaches: its ``helm install`` (rendered here; the other steps need a
+    cluster) runs the image it pushed, reads tokens from the Secret it made, and names
+    the StatefulSet and Service it waits for and forwards to."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    section = text[text.index("## Helm\n") :]
+    start = section.index("```bash\n") + len("```bash\n")
+    block = section[start : section.index("\n```", start)]
+    assigned = dict(re.findall(r"^([A-Z_]+)=(\S+)", block, re.MULTILINE))
+    used = set(re.findall(r"\$\{?([A-Z_]+)", block))
+    assert used <= set(assigned), f"undefined: {sorted(used - set(assigned))}"
+    lines = block.replace("\\\n", " ").splitlines()
+    (install,) = [line for line in lines if line.startswith("helm install ")]
+    (push,) = [line for line in lines if line.startswith("docker push ")]
+    env = {name: value for name, value in assigned.items() if not value.startswith('"$(')}
+    args = [string.Template(arg).safe_substitute(env) for arg in shlex.split(install)]
+    assert args[:4] == ["helm", "install", "ec-cache", "helm/ec-cache"]
+    proc = run([tool("helm"), "template", *args[2:]])
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    pod = pod_spec(docs)
+    pushed = string.Template(shlex.split(push)[2]).safe_substitute(env)
+    assert pod["containers"][0]["image"] == pushed
+    assert f"statefulset/{workload(docs)['metadata']['name']}" in block
+    service = one(docs, "Service", "ec-cache")
+    assert f"port-forward svc/ec-cache 8080:{service['spec']['ports'][0]['port']}" in block
+    secret_refs = [
+        e["valueFrom"]["secretKeyRef"]
+        for e in pod["containers"][0].get("env", [])
+        if e["name"] == "EC_AUTH_TOKENS"
+    ]
+    assert secret_refs == [{"name": "ec-cache-auth", "key": "EC_AUTH_TOKENS"}]
+    assert "create secret generic ec-cache-auth" in block and "EC_AUTH_TOKENS=" in block
 
 
 # --------------------------------------------------------- config <-> server settings
