@@ -11,7 +11,7 @@ What it shares with the boto3 client: the SigV4 signature (``signing.Signer``), 
 endpoint and TLS verification (``http_session.S3Transport``), the connect and read
 timeouts, and ``EC_S3_MAX_POOL_CONNECTIONS`` as the number of idle connections kept
 alive for reuse. An endpoint reached through a proxy is read with ``signed_get`` instead
-(``S3Client`` decides).
+(``get_transport`` decides).
 
 Failures are those ``errors.map_error`` knows: ``ConnectionError`` (refused, reset,
 closed early, TLS), ``TimeoutError`` (connect, or no byte for the read timeout), and

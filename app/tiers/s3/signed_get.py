@@ -1,6 +1,7 @@
 """The read path's GET on botocore's transport: one SigV4-signed request on a botocore
-connection pool, its body read on the S3 thread pool. ``S3Client`` uses it where the
-endpoint is reached through a proxy; everywhere else ``loop_get`` reads on the event loop.
+connection pool, its body read on the S3 thread pool. It reads where the endpoint is
+reached through a proxy (``get_transport``); everywhere else ``loop_get`` reads on the
+event loop.
 
 A read-through GET waits for S3's first byte before it can answer, so everything spent
 before that byte is paid by the client. boto3's ``get_object`` spends about 1 ms of CPU
