@@ -39,8 +39,7 @@ class S3Download:
         self._body = body
         self._breaker = breaker
         self._metrics = metrics
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
