@@ -17,6 +17,8 @@ from app.logs import logging_config
 from app.main import ConfigurationError, create_app
 from app.settings import Settings
 
+log = logging.getLogger("app")
+
 
 def _explain(exc: ValidationError) -> str:
     lines = ["ec-cache: invalid configuration"]
@@ -41,7 +43,7 @@ def _raise_open_files_limit(connections: int) -> None:
     if target > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     if target < needed:
-        logging.getLogger("app").warning(
+        log.warning(
             "open files limit %d is below the %d that EC_MAX_CONNECTIONS=%d may need",
             target,
             needed,
@@ -61,10 +63,12 @@ def main() -> None:
     except ConfigurationError as exc:
         sys.exit(f"ec-cache: invalid configuration\n  {exc}")
     backend = f"S3 {settings.s3_endpoint_url}" if settings.s3_enabled else "disk only"
-    print(
-        f"ec-cache on http://{settings.host}:{settings.port} "
-        f"(data: {settings.data_dir.resolve()}, {backend})",
-        flush=True,
+    log.info(
+        "ec-cache on http://%s:%d (data: %s, %s)",
+        settings.host,
+        settings.port,
+        settings.data_dir.resolve(),
+        backend,
     )
     _raise_open_files_limit(settings.max_connections)
     keep_freed_memory()

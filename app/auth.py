@@ -185,10 +185,6 @@ class Authenticator:
         self._tokens = tokens
         self._anonymous = Principal("anonymous", anonymous.scopes)
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._tokens)
-
     def identify(self, authorization: str | None) -> Principal:
         """The principal behind an ``Authorization`` header; 401 for a bad token."""
         if authorization is None:

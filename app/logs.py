@@ -1,13 +1,17 @@
 """Logging set-up: text for people, JSON (one object per line) for log pipelines.
 
-The same configuration is handed to uvicorn so its own lines share the format. Access
-lines come from ``app.middleware`` (uvicorn's access log is off) and carry the request
-id; no line ever contains a token or a request body.
+The same configuration is handed to uvicorn so its own lines share the format (in JSON
+without the ``color_message`` uvicorn adds to some: a copy of the message with ANSI
+colour escapes). Every line the server writes is a log record, the start-up banner of
+``app.__main__`` included. Access lines come from ``app.middleware`` (uvicorn's access
+log is off) and carry the request id; no line ever contains a token or a request body.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from pythonjsonlogger.core import RESERVED_ATTRS
 
 from app.settings import LogFormat, Settings
 
@@ -22,6 +26,9 @@ def logging_config(settings: Settings) -> dict[str, Any]:
             "()": "pythonjsonlogger.json.JsonFormatter",
             "fmt": JSON_FIELDS,
             "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
+            # Record attributes left out of the object: logging's own, and uvicorn's
+            # coloured copy of the message.
+            "reserved_attrs": [*RESERVED_ATTRS, "color_message"],
         }
     else:
         formatter = {"format": TEXT_FORMAT}

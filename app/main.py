@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
@@ -27,18 +27,18 @@ from app.tiers.disk import DiskTier
 from app.tiers.s3 import S3Backend
 
 
-async def _ec_error(request: Request, exc: Exception) -> JSONResponse:
+async def _ec_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ECError)
     return ec_error_response(request, exc, request.app.state.metrics)
 
 
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     error = InvalidRequest.from_validation(exc.errors())
     return error_response(request, 400, error.code, error.message, error.part)
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     codes = {404: "not_found", 405: "method_not_allowed", 413: BodyTooLarge.code}
     return error_response(
@@ -51,7 +51,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
     return internal_error_response(request)
 
 

@@ -219,8 +219,8 @@ class ReadThroughMetrics:
 
 
 class DiskCommitMetrics:
-    """The disk tier's group commit (``app.tiers.disk``): how many uploads each batch
-    of fsyncs covered, the fsyncs themselves and how long a batch took."""
+    """The disk tier's group commit (``app.tiers.disk.group_commit``): how many uploads
+    each batch of fsyncs covered, the fsyncs themselves and how long a batch took."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.batch_size = Histogram(

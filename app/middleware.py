@@ -5,15 +5,16 @@ Pure ASGI (not ``BaseHTTPMiddleware``) so bodies stream through untouched.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import time
 
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.error_responses import json_error
 from app.errors import BodyTooLarge
 from app.metrics import Metrics
 from app.settings import Settings
@@ -27,17 +28,12 @@ MAX_TARGET_BYTES = 2048
 MAX_SMALL_BODY_BYTES = 1024 * 1024
 
 
-async def _reject(send: Send, status: int, code: str, message: str, retry_after: int = 0) -> None:
-    body = json.dumps({"error": code, "message": message, "part": None}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-    ]
+def _refusal(status: int, code: str, message: str, retry_after: int = 0) -> Response:
+    """The answer to a request refused before it reached the app (the connection closes)."""
+    headers = {"Connection": "close"}
     if retry_after:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        headers["Retry-After"] = str(retry_after)
+    return json_error(status, code, message, None, headers)
 
 
 class EdgeMiddleware:
@@ -120,20 +116,22 @@ class EdgeMiddleware:
         settings = self.settings
         if header_bytes > settings.max_header_bytes:
             message = f"request headers exceed {settings.max_header_bytes} bytes"
-            await _reject(send, 431, "headers_too_large", message)
+            await _refusal(431, "headers_too_large", message)(scope, receive, send)
             return
         if len(scope.get("raw_path") or b"") + len(scope["query_string"]) > MAX_TARGET_BYTES:
             message = f"request target exceeds {MAX_TARGET_BYTES} bytes"
-            await _reject(send, 414, "uri_too_long", message)
+            await _refusal(414, "uri_too_long", message)(scope, receive, send)
             return
         if too_large:  # by its Content-Length: refused before any of it is read
             message = f"request body exceeds {MAX_SMALL_BODY_BYTES} bytes"
-            await _reject(send, 413, BodyTooLarge.code, message)
+            await _refusal(413, BodyTooLarge.code, message)(scope, receive, send)
             return
         method = scope["method"]
         if method == "GET" and scope["path"].startswith("/ec/"):
             if self.downloads >= settings.max_concurrent_downloads:
-                await _reject(send, 503, "too_many_downloads", "too many concurrent downloads", 1)
+                await _refusal(503, "too_many_downloads", "too many concurrent downloads", 1)(
+                    scope, receive, send
+                )
                 return
             self.downloads += 1
             try:
@@ -142,7 +140,9 @@ class EdgeMiddleware:
                 self.downloads -= 1
         elif method == "PUT" and scope["path"].startswith("/ec/"):
             if self.uploads >= settings.max_concurrent_uploads:
-                await _reject(send, 503, "too_many_uploads", "too many concurrent uploads", 1)
+                await _refusal(503, "too_many_uploads", "too many concurrent uploads", 1)(
+                    scope, receive, send
+                )
                 return
             self.uploads += 1
             try:

@@ -19,7 +19,7 @@ batched ``DeleteObjects`` of up to 1000 keys. It runs in the background and is
 * **reported**: entries and bytes removed from disk, objects deleted from S3, the cursor,
   timestamps (``GET /namespaces/purges``).
 
-Disk entries whose key is unknown (see ``app.tiers.disk``) go with any purge. Every
+Disk entries whose key is unknown (see ``app.tiers.disk.keys_log``) go with any purge. Every
 replica has its own disk: run the purge on each (``ec-cache purge`` does).
 """
 
@@ -41,8 +41,10 @@ import anyio.to_thread
 
 from app.errors import ECError
 from app.keys import DTYPES, EntryKey
+from app.retries import backoff
 from app.tiers.base import Backend
-from app.tiers.disk import DiskTier, fsync_dir
+from app.tiers.disk import DiskTier
+from app.tiers.disk.file_sync import fsync_dir
 from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import UploadQueue
 
@@ -174,7 +176,7 @@ class Purges:
         task.add_done_callback(lambda _: self._tasks.pop(job.id, None))
 
     async def _run(self, job: PurgeJob) -> None:
-        delay = RETRY_MIN
+        failures = 0  # in this run (job.attempts counts those before a restart too)
         while True:
             job.attempts += 1
             try:
@@ -183,6 +185,8 @@ class Purges:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                failures += 1
+                delay = backoff(failures, RETRY_MIN, RETRY_MAX)
                 job.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning(
                     "purge of %s: %s (retrying in %.0f s)", job.model, job.last_error, delay
@@ -190,7 +194,6 @@ class Purges:
                 with contextlib.suppress(OSError):
                     await anyio.to_thread.run_sync(self._save, job)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX)
         job.state = "done"
         job.finished_at = job.updated_at = time.time()
         job.last_error = None

@@ -16,9 +16,7 @@ from pydantic import BaseModel, BeforeValidator
 from app import wire
 from app.api import Require, StoreDep
 from app.auth import Principal, Scope
-from app.errors import InvalidRequest
 from app.keys import validate_dtype, validate_model
-from app.namespaces import disk_page, s3_page
 
 MAX_PAGE = 1000
 
@@ -36,8 +34,8 @@ Admin = Annotated[Principal, Depends(Require(Scope.ADMIN))]
 
 @router.get("", summary="Namespaces (model, dtype) on this replica's disk: entries and bytes")
 async def list_namespaces(store: StoreDep, principal: Reader) -> dict[str, Any]:
-    usage, unattributed = store.disk.namespaces()
-    stats = store.disk.stats()
+    usage, unattributed = store.namespace_usage()
+    stats = store.disk_stats()
     result: dict[str, Any] = {
         "namespaces": [
             {"model": u.model, "dtype": u.dtype, "entries": u.entries, "bytes": u.bytes}
@@ -46,7 +44,7 @@ async def list_namespaces(store: StoreDep, principal: Reader) -> dict[str, Any]:
         ],
         "purging": [
             {"model": job.model, "dtype": job.dtype}
-            for job in store.purges.listing()
+            for job in store.purge_jobs()
             if job.state == "running" and principal.may_access(job.model)
         ],
     }
@@ -73,12 +71,7 @@ async def list_entries(
     validate_model(model)
     validate_dtype(dtype)
     principal.check_model(model)
-    if tier == "s3":
-        if store.s3 is None:
-            raise InvalidRequest("this server has no S3 tier", part="tier")
-        entries, cursor = await s3_page(store.s3, model, dtype, after, limit)
-    else:
-        entries, cursor = await disk_page(store.disk, model, dtype, after, limit)
+    entries, cursor = await store.list_namespace(model, dtype, tier, after, limit)
     return {"model": model, "dtype": dtype, "tier": tier, "entries": entries, "next": cursor}
 
 
@@ -99,7 +92,7 @@ async def purge(request_body: PurgeRequest, store: StoreDep, principal: Admin) -
     if request_body.dtype is not None:
         validate_dtype(request_body.dtype)
     principal.check_model(request_body.model)
-    job, started = await store.purges.request(request_body.model, request_body.dtype)
+    job, started = await store.purge(request_body.model, request_body.dtype)
     return JSONResponse({"purge": job.public()}, status_code=202 if started else 200)
 
 
@@ -112,7 +105,7 @@ async def purges(
     return {
         "purges": [
             job.public()
-            for job in store.purges.listing()
+            for job in store.purge_jobs()
             if principal.may_access(job.model) and (model is None or job.model == model)
         ]
     }

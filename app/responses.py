@@ -1,8 +1,14 @@
-"""Responses for entry bodies.
+"""The response of an entry GET or HEAD: its headers, then its body in one of two forms.
 
-Starlette's ``FileResponse`` sends 64 KiB chunks with a thread hop each (~0.2x nginx);
-an entry here is sent as one ``http.response.body`` message straight from its mmap,
-which uvicorn hands to the transport without copying.
+* **A disk entry** (``EntryBody.buffer``): one ``http.response.body`` message straight
+  from its mmap, which uvicorn hands to the transport without copying (Starlette's
+  ``FileResponse`` sends 64 KiB chunks with a thread hop each, ~0.2x nginx).
+* **A read-through** (``EntryBody.chunks``): S3's body relayed chunk by chunk as it
+  arrives. A client that goes away stops the relay at once (its download slot is
+  freed); a failure after the headers are out ends the body early, which makes uvicorn
+  drop the connection: the client sees an incomplete body, never a wrong one.
+
+A HEAD sends the headers only.
 """
 
 from __future__ import annotations

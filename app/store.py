@@ -1,7 +1,9 @@
-"""The store: answers entry requests by asking the tiers in order.
+"""The store: answers entry requests by asking the tiers in order, and namespace
+requests (usage, listing, purges: ``app.namespaces``).
 
-Routes talk only to this class. It validates bodies as they stream in, decides which
-tier answers, and keeps slow file work off the event loop. Like bazel-remote's disk
+Routes talk only to this class (``tests/unit/test_structure.py`` checks). It validates
+bodies as they stream in, decides which tier answers, and keeps slow file work off the
+event loop. Like bazel-remote's disk
 cache in front of its proxy, the store owns read-through (``app.tiers.read_through``)
 and write-through / write-back (here and ``app.tiers.upload_queue``) and calls the
 backend (``app.tiers.base.Backend``, the S3 backend when configured) for the rest.
@@ -18,14 +20,14 @@ from typing import Any
 
 import anyio.to_thread
 
-from app.errors import ECError, NotFound, Unavailable
+from app.errors import ECError, InvalidRequest, NotFound, Unavailable
 from app.keys import EntryKey
 from app.metrics import Metrics
-from app.namespaces import Purges
+from app.namespaces import PurgeJob, Purges, disk_page, s3_page
 from app.safetensors_format import BodyValidator, TensorHeader
 from app.settings import Settings, WriteMode
 from app.tiers.base import Backend, EntryBody, EntryInfo
-from app.tiers.disk import DiskTier, PendingWrite
+from app.tiers.disk import DiskStats, DiskTier, NamespaceUsage, PendingWrite
 from app.tiers.overlapped import OverlappedWrite
 from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
@@ -408,6 +410,36 @@ class Store:
             await self.uploads.delete_now(item)
         elif self.s3 is not None:
             await self.s3.delete(key)
+
+    # -- namespaces -----------------------------------------------------------------
+
+    def namespace_usage(self) -> tuple[list[NamespaceUsage], NamespaceUsage]:
+        """Usage per namespace on this replica's disk (sorted), and that of the
+        unattributed entries."""
+        return self.disk.namespaces()
+
+    def disk_stats(self) -> DiskStats:
+        return self.disk.stats()
+
+    async def list_namespace(
+        self, model: str, dtype: str, tier: str, after: str | None, limit: int
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of a namespace's entries in ``tier`` (``disk`` or ``s3``) with hashes
+        after ``after``, and the cursor of the next page (None at the end)."""
+        if tier == "s3":
+            if self.s3 is None:
+                raise InvalidRequest("this server has no S3 tier", part="tier")
+            return await s3_page(self.s3, model, dtype, after, limit)
+        return await disk_page(self.disk, model, dtype, after, limit)
+
+    async def purge(self, model: str, dtype: str | None) -> tuple[PurgeJob, bool]:
+        """Start a purge of the namespace(s), or find the one running; True when this
+        call started it (see ``app.namespaces``)."""
+        return await self.purges.request(model, dtype)
+
+    def purge_jobs(self) -> list[PurgeJob]:
+        """Purges running and recently finished, newest first."""
+        return self.purges.listing()
 
     # -- operations ---------------------------------------------------------------
 

@@ -229,7 +229,7 @@ schema = {
                 ),
                 "anonymous": {
                     "description": "EC_ANONYMOUS",
-                    "enum": [None, "none", "read", "read-write"],
+                    "enum": [None, "none", "read", "read-write", "admin"],
                 },
                 "metricsPublic": opt_bool("EC_METRICS_PUBLIC"),
                 "metricsNamespaces": opt_int("EC_METRICS_NAMESPACES", 0, 10000),

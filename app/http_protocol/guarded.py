@@ -35,16 +35,16 @@ Drops are counted in ``ec_connections_dropped_total{reason}``, open connections 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from uvicorn.server import ServerState
 
+from app.error_responses import raw_error_response
 from app.http_protocol.httptools_protocol import ECHttpToolsProtocol
 from app.metrics import ConnectionMetrics
 from app.settings import Settings
@@ -72,21 +72,6 @@ class ConnectionLimits:
             settings.header_timeout,
             settings.send_timeout,
         )
-
-
-def _json_response(status: int, code: str, message: str, extra: bytes = b"") -> bytes:
-    body = json.dumps({"error": code, "message": message, "part": None}).encode()
-    return b"".join(
-        [
-            STATUS_LINE[status],
-            b"content-type: application/json\r\n",
-            b"content-length: " + str(len(body)).encode() + b"\r\n",
-            b"connection: close\r\n",
-            extra,
-            b"\r\n",
-            body,
-        ]
-    )
 
 
 class GuardedHttpProtocol(ECHttpToolsProtocol):
@@ -124,12 +109,12 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
             self.transport = transport
             self.metrics.dropped.labels("limit").inc()
             transport.write(
-                _json_response(
+                raw_error_response(
                     503,
                     "too_many_connections",
                     f"the server holds its maximum of {self.limits.max_connections} "
                     "connections: retry",
-                    b"retry-after: 1\r\n",
+                    [(b"retry-after", b"1")],
                 )
             )
             transport.close()
@@ -209,7 +194,7 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.write(
-            _json_response(
+            raw_error_response(
                 408,
                 "request_timeout",
                 f"request not received within {self.limits.header_timeout:g} s",

@@ -5,7 +5,7 @@
   ``Content-Length``, bad chunked framing, invalid header bytes. uvicorn then writes a
   plain-text 400 ("Invalid HTTP request received.") and closes the connection; this
   subclass writes the same 400 with the project's JSON error body (``{"error":
-  "malformed_request", ...}``) instead.
+  "malformed_request", ...}``, from ``app.error_responses``) instead.
 * **A response head leaves with small first body bytes.** uvicorn writes the head of
   a response as soon as the app starts it, then the body: two writes, so the client is
   woken for a head it cannot use without the body, and (on a shared core) the server
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
 from collections import deque
 from typing import Any
 
@@ -45,14 +44,12 @@ from uvicorn._types import ASGIReceiveEvent
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-MALFORMED_BODY = json.dumps(
-    {
-        "error": "malformed_request",
-        "message": "the HTTP parser refused the request: a malformed request line or target "
-        "(raw non-ASCII bytes must be percent-encoded), header or body framing",
-        "part": None,
-    }
-).encode()
+from app.error_responses import raw_error_response
+
+MALFORMED_MESSAGE = (
+    "the HTTP parser refused the request: a malformed request line or target "
+    "(raw non-ASCII bytes must be percent-encoded), header or body framing"
+)
 
 
 class ECHttpToolsProtocol(HttpToolsProtocol):
@@ -174,19 +171,11 @@ class ECHttpToolsProtocol(HttpToolsProtocol):
             cycle.message_event.set()
 
     def send_400_response(self, msg: str) -> None:
-        content = [b"HTTP/1.1 400 Bad Request\r\n"]
-        for name, value in self.server_state.default_headers:
-            content.extend([name, b": ", value, b"\r\n"])
-        content.extend(
-            [
-                b"content-type: application/json\r\n",
-                b"content-length: " + str(len(MALFORMED_BODY)).encode("ascii") + b"\r\n",
-                b"connection: close\r\n",
-                b"\r\n",
-                MALFORMED_BODY,
-            ]
+        self.transport.write(
+            raw_error_response(
+                400, "malformed_request", MALFORMED_MESSAGE, self.server_state.default_headers
+            )
         )
-        self.transport.write(b"".join(content))
         self.transport.close()
 
 

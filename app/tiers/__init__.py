@@ -1,7 +1,11 @@
 """Storage tiers behind one narrow interface (see ``base``).
 
-* ``disk``: the bounded local LRU (always present);
+* ``base``: what the store hands out (an entry's description and body) and the
+  :class:`base.Backend` interface;
+* ``disk``: the bounded local LRU (always present), a package;
+* ``overlapped``: a disk write fed from the event loop while the file system works;
 * ``read_through``: disk misses filled from a backend, single-flight;
-* ``s3``: the S3 backend (a :class:`base.Backend`; knows nothing of the disk);
-* ``upload_queue``: the durable write-back queue.
+* ``write_through``: a write-through PUT's upload overlapping its receive;
+* ``upload_queue``: the durable write-back queue;
+* ``s3``: the S3 backend (a :class:`base.Backend`; knows nothing of the disk), a package.
 """

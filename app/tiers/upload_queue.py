@@ -51,7 +51,9 @@ from prometheus_client import CollectorRegistry
 from app.errors import InvalidKey
 from app.keys import EntryKey
 from app.metrics import UploadQueueMetrics
-from app.tiers.disk import DiskTier, StagedFile, fsync_dir
+from app.retries import backoff
+from app.tiers.disk import DiskTier, StagedFile
+from app.tiers.disk.file_sync import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -571,7 +573,7 @@ class UploadQueue:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            delay = min(self.retry_max, self.retry_min * 2 ** min(item.attempts - 1, 30))
+            delay = backoff(item.attempts, self.retry_min, self.retry_max)
             delay *= random.uniform(0.5, 1.0)
             item.last_error = str(exc)
             counter = self.metrics.deletes if action == "delete" else self.metrics.uploads

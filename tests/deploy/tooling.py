@@ -129,14 +129,9 @@ def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-def server_env_vars() -> set[str] | None:
-    """EC_* names the server reads, from app/settings.py (parsed, not imported).
-
-    None when the server's settings module is not there (yet).
-    """
+def server_env_vars() -> set[str]:
+    """EC_* names the server reads, from app/settings.py (parsed, not imported)."""
     path = ROOT / "app" / "settings.py"
-    if not path.exists():
-        return None
     tree = ast.parse(path.read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "Settings":
@@ -153,7 +148,7 @@ def server_env_vars() -> set[str] | None:
                 and not stmt.target.id.startswith("_")
                 and stmt.target.id != "model_config"
             }
-    return None
+    raise AssertionError(f"no Settings class in {path}")
 
 
 def dockerfile_stages() -> list[list[tuple[str, str]]]:

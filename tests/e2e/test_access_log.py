@@ -159,3 +159,16 @@ def test_readyz_sets_ec_ready(tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "d", tmp_path / "log") as srv:
         assert httpx.get(srv.url + "/readyz").status_code == 200
         assert "\nec_ready 1.0\n" in httpx.get(srv.url + "/metrics").text
+
+
+def test_json_log_format_makes_every_line_json(tmp_path: Path) -> None:
+    """The start-up banner and uvicorn's own lines too, without uvicorn's coloured
+    ``color_message`` copy."""
+    with ServerProcess(tmp_path / "d", tmp_path / "log", log_level="info", log_format="json") as s:
+        httpx.get(s.url + "/healthz")
+    text = (tmp_path / "log").read_text()
+    lines = [json.loads(line) for line in text.splitlines()]  # raises on a plain line
+    assert "\x1b[" not in text
+    assert not [line for line in lines if "color_message" in line]
+    assert any(line["message"].startswith("ec-cache on http://") for line in lines)
+    assert any(line["logger"].startswith("uvicorn") for line in lines)

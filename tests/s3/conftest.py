@@ -9,6 +9,7 @@ endpoint such as the MinIO of docker-compose; tests that stop the server then sk
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from app.settings import Settings
 from app.tiers.s3.client import S3Client
+from app.tiers.s3.transfers import put_file
 from tests.s3.harness import (
     TEST_ACCESS_KEY,
     TEST_SECRET_KEY,
@@ -234,5 +236,13 @@ async def read_object(store: S3Client, key: str) -> bytes | None:
     download = await store.open(key)
     if download is None:
         return None
-    async with download:
-        return await download.read_all()
+    async with contextlib.aclosing(download):
+        return b"".join([bytes(chunk) async for chunk in download.chunks()])
+
+
+async def write_object(store: S3Client, key: str, data: bytes, *, crc32c: int) -> None:
+    """Upload ``data`` as ``key`` as the server uploads an entry: from a file."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "body"
+        path.write_bytes(data)
+        await put_file(store, key, path, crc32c=crc32c)

@@ -5,14 +5,14 @@ on to the real endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import pytest
 
 from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Error, S3Unavailable
-from app.tiers.s3.transfers import put_bytes
-from tests.s3.conftest import StoreFactory, read_object
+from tests.s3.conftest import StoreFactory, read_object, write_object
 from tests.s3.harness import FaultyFront, S3Endpoint
 
 pytestmark = pytest.mark.anyio
@@ -28,12 +28,12 @@ async def test_keys_that_need_encoding_are_signed_and_read_back(
     store = make_store()
     key = f"{store.prefix}/org/model/bfloat16/{name}.safetensors"
     data = f"body of {name}".encode() * 100
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
     assert (download.info.size, download.info.crc32c) == (len(data), crc(data))
-    async with download:
-        assert await download.read_all() == data
+    async with contextlib.aclosing(download):
+        assert b"".join([bytes(chunk) async for chunk in download.chunks()]) == data
 
 
 async def test_what_boto3_reports_as_errors(
@@ -60,18 +60,18 @@ async def test_throttling_is_retried_up_to_max_attempts(
     store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
     key = f"{store.prefix}/retried.safetensors"
     data = b"retried" * 1000
-    await put_bytes(make_store(), key, data, crc32c=crc(data))  # the front passes GETs only
+    await write_object(make_store(), key, data, crc32c=crc(data))  # the front passes GETs only
 
     faulty_front.failures, faulty_front.gets = 2, 0
     assert await read_object(store, key) == data
     assert faulty_front.gets == 3  # two answered SlowDown, the third went through
-    assert store.available
+    assert store.breaker.available
 
     faulty_front.failures, faulty_front.gets = 3, 0
     with pytest.raises(S3Unavailable, match="SlowDown"):
         await read_object(store, key)
     assert faulty_front.gets == 3
-    assert not store.available  # the breaker opened after the last attempt
+    assert not store.breaker.available  # the breaker opened after the last attempt
 
 
 async def test_a_client_error_is_not_retried(

@@ -3,6 +3,7 @@ or EC_TEST_S3_*)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -13,12 +14,13 @@ import pytest
 
 from app.checksum import crc32c as crc
 from app.keys import EntryKey
-from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_to_b64
+from app.tiers.s3.client import S3Client
 from app.tiers.s3.errors import S3Error, S3Unavailable
+from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_to_b64
 from app.tiers.s3.readiness import check_ready, ensure_bucket
 from app.tiers.s3.signed_get import FIRST_READ_BYTES
-from app.tiers.s3.transfers import put_bytes, put_file
-from tests.s3.conftest import MiB, S3Control, StoreFactory
+from app.tiers.s3.transfers import put_file
+from tests.s3.conftest import MiB, S3Control, StoreFactory, read_object, write_object
 from tests.s3.harness import CountingProxy, S3Endpoint, free_ports
 
 pytestmark = pytest.mark.anyio
@@ -62,7 +64,7 @@ async def test_put_head_get_round_trip(
     assert info is not None
     assert (info.size, info.crc32c) == (len(data), crc(data))
     assert info.metadata[METADATA_CRC_KEY] == f"{crc(data):08x}"
-    assert await store.get_bytes(key) == data
+    assert await read_object(store, key) == data
 
     # Human readable in listings (mc ls / aws s3 ls).
     assert s3_endpoint.list_keys(s3_prefix + "/") == [key]
@@ -77,10 +79,10 @@ async def test_get_streams_in_chunks(make_store: StoreFactory) -> None:
     store = make_store(s3_get_chunk_size=256 * 1024)
     data = sample(1_000_000)
     key = key_for(store, "m", "uint8", "stream")
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
-    async with download:
+    async with contextlib.aclosing(download):
         assert download.info.size == len(data)
         sizes = [len(chunk) async for chunk in download.chunks()]
     assert sum(sizes) == len(data)
@@ -93,10 +95,10 @@ async def test_object_within_the_first_read(make_store: StoreFactory) -> None:
     store = make_store()
     data = sample(1000, seed=5)
     key = key_for(store, "m", "uint8", "small")
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
-    async with download:
+    async with contextlib.aclosing(download):
         chunks = [chunk async for chunk in download.chunks()]
     assert chunks == [data]
 
@@ -118,7 +120,7 @@ async def test_multipart_above_threshold(
     info = await store.head(key)
     assert info is not None
     assert (info.size, info.crc32c) == (len(data), crc(data))  # from x-amz-meta-ec-crc32c
-    assert await store.get_bytes(key) == data
+    assert await read_object(store, key) == data
     assert s3_endpoint.list_uploads(key) == []
 
 
@@ -151,12 +153,12 @@ async def test_delete_and_missing_keys(make_store: StoreFactory) -> None:
     store = make_store()
     data = sample(1000)
     key = key_for(store, "m", "int8", "gone")
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
     assert await store.head(key) is not None
     await store.delete(key)
     assert await store.head(key) is None
     assert await store.open(key) is None
-    assert await store.get_bytes(key) is None
+    assert await read_object(store, key) is None
     await store.delete(key)  # deleting an absent object is fine
 
 
@@ -164,8 +166,8 @@ async def test_metrics_count_requests_and_bytes(make_store: StoreFactory) -> Non
     store = make_store()
     data = sample(50_000)
     key = key_for(store, "m", "int8", "metrics")
-    await put_bytes(store, key, data, crc32c=crc(data))
-    await store.get_bytes(key)
+    await write_object(store, key, data, crc32c=crc(data))
+    await read_object(store, key)
     await store.head(key_for(store, "m", "int8", "absent"))
     reg = store.metrics.registry
 
@@ -233,7 +235,7 @@ async def test_nothing_listening_is_unavailable(make_store: StoreFactory) -> Non
     with pytest.raises(S3Unavailable, match="marked unavailable"):
         await store.open(key_for(store, "m", "int8", "x"))
     assert time.monotonic() - started < 10
-    assert store.retry_after() > 1
+    assert store.breaker.retry_after() > 1
     state = await check_ready(store)
     assert not state.ok and state.state == "unreachable", state
 
@@ -242,20 +244,20 @@ async def test_s3_stopped_then_restarted(make_store: StoreFactory, s3_control: S
     store = make_store(s3_unavailable_cooldown=0.2)
     data = sample(10_000)
     key = key_for(store, "m", "int8", "outage")
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
 
     s3_control.stop()
     with pytest.raises(S3Unavailable):
         await store.head(key)
     with pytest.raises(S3Unavailable):
-        await put_bytes(store, key + "2", data, crc32c=crc(data))
+        await write_object(store, key + "2", data, crc32c=crc(data))
     state = await check_ready(store)
     assert not state.ok and state.state == "unreachable", state
 
     s3_control.start()
     time.sleep(0.3)  # past the cooldown: the next call probes again
     assert (await check_ready(store)).ok
-    assert await store.get_bytes(key) == data
+    assert await read_object(store, key) == data
 
 
 async def test_connection_cut_mid_body_is_unavailable(
@@ -264,11 +266,11 @@ async def test_connection_cut_mid_body_is_unavailable(
     store = make_store(s3_endpoint_url=counting_proxy.url, s3_get_chunk_size=64 * 1024)
     data = sample(8 * MiB, seed=3)
     key = key_for(store, "m", "uint8", "cut")
-    await put_bytes(store, key, data, crc32c=crc(data))
+    await write_object(store, key, data, crc32c=crc(data))
     download = await store.open(key)
     assert download is not None
     with pytest.raises(S3Unavailable):
-        async with download:
+        async with contextlib.aclosing(download):
             async for _ in download.chunks():
                 counting_proxy.down = True
-    assert not store.available  # breaker opened by the broken body
+    assert not store.breaker.available  # breaker opened by the broken body

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import httpx
 
 from tests.s3.conftest import S3Control, ServerFactory
-from tests.s3.harness import CountingProxy, S3Endpoint
+from tests.s3.harness import CountingProxy, S3Endpoint, free_ports
 from tests.support.entries import body, crc_hex
 from tests.support.server import ServerProcess
 
@@ -529,9 +529,21 @@ def test_wrong_credentials_are_reported(make_server: ServerFactory) -> None:
     assert ready.status_code == 503
     reason = ready.json()["checks"]["s3"]
     assert reason.startswith("credentials:") and "wrong S3 credentials" in reason
-    assert "S3 tier NOT READY (credentials)" in srv.log_path.read_text()
+    log = srv.log_path.read_text()
+    assert "S3 tier NOT READY (credentials)" in log
+    assert "other reads answer 502 s3_error until this is fixed" in log
     resp = a.get(url("x"))
     assert resp.status_code == 502 and resp.json()["error"] == "s3_error"
+
+
+def test_unreachable_endpoint_at_start_up_is_reported(make_server: ServerFactory) -> None:
+    (closed,) = free_ports(1)  # nothing listens there: every connection is refused
+    srv = make_server("a", endpoint_url=f"http://127.0.0.1:{closed}")
+    log = srv.log_path.read_text()
+    assert "S3 tier NOT READY (unreachable)" in log
+    assert "other reads answer 503 unavailable until this is fixed" in log
+    resp = client_for(srv).get(url("x"))
+    assert resp.status_code == 503 and resp.json()["error"] == "unavailable"
 
 
 def test_missing_bucket_is_reported_or_created(

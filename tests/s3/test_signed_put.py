@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from app.checksum import crc32c as crc
-from app.tiers.s3.client import crc32c_to_b64
 from app.tiers.s3.errors import S3Error, S3Unavailable
-from app.tiers.s3.transfers import object_metadata, put_bytes, put_file
-from tests.s3.conftest import MiB, StoreFactory
+from app.tiers.s3.objects import crc32c_to_b64
+from app.tiers.s3.transfers import object_metadata, put_file
+from tests.s3.conftest import MiB, StoreFactory, read_object, write_object
 from tests.s3.harness import FaultyFront, S3Endpoint
 
 pytestmark = pytest.mark.anyio
@@ -39,7 +39,7 @@ async def test_the_request_is_the_one_put_object_sends(
 
     store.signed_put.put(
         key,
-        data,
+        io.BytesIO(data),
         len(data),
         content_type="application/octet-stream",
         checksum_crc32c=crc32c_to_b64(crc(data)),
@@ -59,12 +59,12 @@ async def test_the_request_is_the_one_put_object_sends(
     assert comparable(ours) == comparable(boto3s)
     assert ours["Expect"] == "100-continue"
     assert "x-amz-checksum-crc32c" in ours["Authorization"]  # the checksum is signed
-    assert await store.get_bytes(key) == data
+    assert await read_object(store, key) == data
 
     small = b"small" * 100  # no 100 Continue round trip for it, where boto3 asks one
-    await put_bytes(store, key, small, crc32c=crc(small))
+    await write_object(store, key, small, crc32c=crc(small))
     assert "Expect" not in faulty_front.put_headers[-1]
-    assert await store.get_bytes(key) == small
+    assert await read_object(store, key) == small
 
 
 async def test_keys_that_need_percent_encoding_read_back(
@@ -81,7 +81,7 @@ async def test_keys_that_need_percent_encoding_read_back(
     assert head["ContentType"] == "application/octet-stream"
     assert head["Metadata"] == {"ec-crc32c": f"{crc(data):08x}"}
     assert head.get("ChecksumCRC32C") in (None, crc32c_to_b64(crc(data)))
-    assert await store.get_bytes(key) == data
+    assert await read_object(store, key) == data
 
 
 async def test_throttling_is_retried_with_the_body_sent_again(
@@ -94,21 +94,21 @@ async def test_throttling_is_retried_with_the_body_sent_again(
     faulty_front.put_failures = 2  # SlowDown, read whole before it is answered
     await put_file(store, key, tmp_file(data), crc32c=crc(data))
     assert len(faulty_front.put_headers) == 3
-    assert await store.get_bytes(key) == data  # sent whole again from its start
-    assert store.available
+    assert await read_object(store, key) == data  # sent whole again from its start
+    assert store.breaker.available
 
     small = b"retried bytes" * 100
     faulty_front.put_failures, faulty_front.put_headers = 1, []
-    await put_bytes(store, key, small, crc32c=crc(small))
+    await write_object(store, key, small, crc32c=crc(small))
     assert len(faulty_front.put_headers) == 2
-    assert await store.get_bytes(key) == small
+    assert await read_object(store, key) == small
 
     faulty_front.put_failures, faulty_front.put_headers = 3, []
     with pytest.raises(S3Unavailable, match="SlowDown"):
-        await put_bytes(store, key, data, crc32c=crc(data))
+        await write_object(store, key, data, crc32c=crc(data))
     assert len(faulty_front.put_headers) == 3
-    assert not store.available  # the breaker opened after the last attempt
-    assert await make_store().get_bytes(key) == small  # the failed upload changed nothing
+    assert not store.breaker.available  # the breaker opened after the last attempt
+    assert await read_object(make_store(), key) == small  # the failed upload changed nothing
 
 
 async def test_a_client_error_is_not_retried(
@@ -118,10 +118,10 @@ async def test_a_client_error_is_not_retried(
     faulty_front.put_failures, faulty_front.status = 1, 403
     data = b"forbidden" * 10
     with pytest.raises(S3Error) as caught:
-        await put_bytes(store, f"{store.prefix}/forbidden.safetensors", data, crc32c=crc(data))
+        await write_object(store, f"{store.prefix}/forbidden.safetensors", data, crc32c=crc(data))
     assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
     assert len(faulty_front.put_headers) == 1
-    assert store.available  # it answered
+    assert store.breaker.available  # it answered
 
 
 async def test_a_body_that_cannot_be_rewound_gets_one_attempt(
@@ -163,9 +163,9 @@ async def test_a_wrong_secret_is_a_credentials_error_not_retried(
     store = make_store(secret_access_key="definitely-wrong-secret", s3_max_attempts=3)
     data = b"x" * 1000
     with pytest.raises(S3Error) as caught:
-        await put_bytes(store, f"{store.prefix}/denied.safetensors", data, crc32c=crc(data))
+        await write_object(store, f"{store.prefix}/denied.safetensors", data, crc32c=crc(data))
     assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
-    assert store.available
+    assert store.breaker.available
 
 
 async def test_uploads_go_through_a_proxy(
@@ -183,4 +183,4 @@ async def test_uploads_go_through_a_proxy(
     await put_file(store, key, tmp_file(data), crc32c=crc(data))
     assert len(faulty_front.put_headers) == 1  # the front saw the PUT, as a proxy
     monkeypatch.delenv("HTTP_PROXY")
-    assert await make_store().get_bytes(key) == data
+    assert await read_object(make_store(), key) == data

@@ -10,8 +10,8 @@ import pytest
 from app.checksum import crc32c
 from app.keys import EntryKey
 from app.safetensors_format import validate_body
-from app.tiers import disk as disk_module
 from app.tiers.disk import DiskTier, NamespaceUsage
+from app.tiers.disk import keys_log as keys_log_module
 from tests.support.entries import body
 
 
@@ -98,7 +98,7 @@ def test_purge_one_dtype_all_dtypes_and_unattributed(tmp_path: Path) -> None:
 
 
 def test_keys_log_is_compacted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(disk_module, "KEYS_LOG_SLACK", 4)
+    monkeypatch.setattr(keys_log_module, "KEYS_LOG_SLACK", 4)
     size = len(body((8,), "U8", 1))
     tier = DiskTier(tmp_path, 2 * size)
     tier.rebuild()

@@ -10,8 +10,8 @@ from app.checksum import crc32c
 from app.errors import InsufficientStorage, Unavailable
 from app.keys import EntryKey
 from app.safetensors_format import validate_body
-from app.tiers import disk as disk_module
 from app.tiers.disk import DiskTier, PendingWrite
+from app.tiers.disk import pending as pending_module
 from tests.support.entries import body
 
 
@@ -457,7 +457,7 @@ def test_only_durable_writes_are_synced(
     real_fdatasync, real_fsync = os.fdatasync, os.fsync
     monkeypatch.setattr(os, "fdatasync", lambda fd: (calls.append("fdatasync"), real_fdatasync(fd)))
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd)))
-    monkeypatch.setattr(disk_module, "start_writeback", lambda *_: calls.append("writeback"))
+    monkeypatch.setattr(pending_module, "start_writeback", lambda *_: calls.append("writeback"))
     data = body((500,), "U8", 1)
     pending = _write(tier, "k", data, durable=durable)
     assert pending.commit(crc32c(data), validate_body(data, "uint8")) is True

@@ -70,3 +70,33 @@ def test_settings_are_declared_once() -> None:
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef):
                 assert not node.name.endswith("Config"), f"{path.name} declares {node.name}"
+
+
+def test_error_json_is_built_in_error_responses_only() -> None:
+    """Every error body comes from ``app.error_responses.error_document``: no other
+    module writes a dict with an ``"error"`` key (``app.openapi`` describes the body)."""
+    for path in modules():
+        if path in (APP / "error_responses.py", APP / "openapi.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict):
+                keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+                assert "error" not in keys, (
+                    f"{path.relative_to(APP)}:{node.lineno} builds error JSON"
+                )
+
+
+ROUTES = ("api.py", "entries.py", "namespaces_api.py")
+STORE_PARTS = {"disk", "s3", "read_through", "uploads", "purges"}
+
+
+def test_routes_reach_the_tiers_only_through_the_store() -> None:
+    """No route module imports a tier, nor reaches into the store's parts."""
+    for name in ROUTES:
+        path = APP / name
+        tiers = [n for n in imported(path) if n.startswith(("app.tiers", "app.namespaces."))]
+        assert not tiers, f"{name} imports {tiers}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in STORE_PARTS:
+                owner = ast.unparse(node.value)
+                assert not owner.endswith("store"), f"{name}:{node.lineno} uses {owner}.{node.attr}"

@@ -31,8 +31,10 @@ from app.safetensors_format import MAX_HEADER_BYTES, PREFIX_BYTES, BodyValidator
 from app.settings import Settings
 from app.tiers.base import Chunk, RemoteInfo
 from app.tiers.s3 import readiness, transfers
-from app.tiers.s3.client import ObjectInfo, S3Client, S3Download
+from app.tiers.s3.client import S3Client
+from app.tiers.s3.download import S3Download
 from app.tiers.s3.errors import S3Error, S3Unavailable
+from app.tiers.s3.objects import ObjectInfo
 from app.tiers.s3.readiness import Readiness
 
 log = logging.getLogger(__name__)
@@ -245,14 +247,13 @@ class S3Backend:
     @property
     def up(self) -> bool:
         state = self.readiness_state
-        return self.client.available and (state is None or state.ok)
+        return self.client.breaker.available and (state is None or state.ok)
 
     async def start(self) -> None:
         """Create the bucket if asked to and say, in one log line, whether S3 is usable."""
         settings = self.client.settings
         where = (
-            f"{settings.s3_endpoint_url or 'AWS S3'} bucket {self.client.bucket!r} "
-            f"prefix {settings.s3_prefix!r}"
+            f"{self.client.endpoint} bucket {self.client.bucket!r} prefix {settings.s3_prefix!r}"
         )
         if settings.s3_create_bucket:
             try:
@@ -264,11 +265,14 @@ class S3Backend:
         if state.ok:
             log.info("S3 tier ready: %s", where)
         else:
+            # What other reads answer meanwhile: the mapping of ``to_http_error``.
+            answer = "503 unavailable" if state.state == "unreachable" else "502 s3_error"
             log.error(
                 "S3 tier NOT READY (%s): %s -- disk hits are still served; other reads "
-                "answer 503 until this is fixed",
+                "answer %s until this is fixed",
                 state.state,
                 state.reason,
+                answer,
             )
 
     async def stop(self) -> None:
@@ -286,7 +290,7 @@ class S3Backend:
             "endpoint": settings.s3_endpoint_url,
             "bucket": self.client.bucket,
             "prefix": settings.s3_prefix,
-            "available": self.client.available,
+            "available": self.client.breaker.available,
             "ready": None if state is None else state.ok,
             "reason": None if state is None else state.reason,
         }

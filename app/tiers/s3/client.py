@@ -1,50 +1,42 @@
-"""The S3 client of one bucket: calls off the event loop, metrics, errors, breaker.
+"""The S3 client of one bucket: calls off the event loop, counted, timed, their errors
+mapped, behind the circuit breaker.
 
 boto3 is synchronous; every call runs on a dedicated thread pool (sized like the HTTP
 connection pool) so the event loop never blocks. :meth:`S3Client.call` is the one way a
 call is made: it counts and times it, maps its failure onto :class:`S3Error` /
-:class:`S3Unavailable` (``errors``) and answers ``None`` for a missing object where the
-caller allows it. Every call is a boto3 call except two that skip boto3's per-call
-pipeline: the read path's GET (:meth:`open`), which ``loop_get`` makes on the event loop
-(``signed_get`` on a botocore connection pool where the endpoint is behind a proxy), and
-the single-part upload (``signed_put``, on that pool). ``http_session`` makes that pool
-as botocore makes the boto3 client's; ``signing`` signs for all three.
+:class:`S3Unavailable` (``errors``), opens or closes the breaker (``breaker``) and
+answers ``None`` for a missing object where the caller allows it. Every call is a boto3
+call except two that skip boto3's per-call pipeline: the read path's GET (:meth:`open`,
+on the transport ``get_transport`` picks, its body an ``S3Download``), and the
+single-part upload (``signed_put``). ``http_session`` makes their connection pool as
+botocore makes the boto3 client's; ``signing`` signs for them.
 
-After an :class:`S3Unavailable`, calls fail fast for ``EC_S3_UNAVAILABLE_COOLDOWN``
-seconds (a tiny circuit breaker) so a dead endpoint costs each request no more than one
-timeout per cooldown period; the first call after the cooldown probes the endpoint again,
-so the backend recovers on its own without a restart.
-
-Everything here speaks object keys; ``backend`` maps entries onto them, ``transfers``
-uploads, ``readiness`` diagnoses.
+Everything here speaks object keys (described by ``objects``); ``backend`` maps entries
+onto them, ``transfers`` uploads, ``readiness`` diagnoses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
 from prometheus_client import CollectorRegistry
 
-from app import wire
 from app.metrics import S3Metrics
 from app.settings import Settings
-from app.tiers.base import Chunk
+from app.tiers.s3.breaker import CircuitBreaker
+from app.tiers.s3.download import ObjectBody, S3Download
 from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
+from app.tiers.s3.get_transport import object_get
 from app.tiers.s3.http_session import s3_transport
 from app.tiers.s3.loop_get import LoopGet
-from app.tiers.s3.signed_get import SignedGet
+from app.tiers.s3.objects import ObjectInfo, info_from_headers, info_from_response
 from app.tiers.s3.signed_put import SignedPut
 from app.tiers.s3.signing import Signer
 
@@ -52,162 +44,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-METADATA_HEADER = "x-amz-meta-"
-METADATA_CRC_KEY = "ec-crc32c"  # sent as x-amz-meta-ec-crc32c
 #: Path-style addressing: any endpoint works without wildcard DNS.
 ADDRESSING_STYLE = "path"
-
-
-def crc32c_to_b64(crc: int) -> str:
-    """The wire form of an S3 CRC32C checksum: base64 of the 4 big-endian bytes."""
-    return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
-
-
-def crc32c_from_b64(text: str) -> int | None:
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (ValueError, TypeError):
-        return None
-    return int.from_bytes(raw, "big") if len(raw) == 4 else None
-
-
-# --------------------------------------------------------------------------- values
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What HEAD (or the start of a GET) tells about an object."""
-
-    key: str
-    size: int
-    crc32c: int | None
-    etag: str | None = None
-    metadata: Mapping[str, str] = field(default_factory=dict)
-
-
-def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
-    text = metadata.get(METADATA_CRC_KEY)
-    if text:
-        with contextlib.suppress(ValueError):
-            return wire.loose_hex32(text)
-    if checksum and "-" not in checksum:  # "...-N" is a composite multipart checksum
-        return crc32c_from_b64(checksum)
-    return None
-
-
-def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:
-    """``_info_from_response`` for the raw headers of a GET (``loop_get``, ``signed_get``)."""
-    lowered = ((name.lower(), value) for name, value in headers.items())
-    metadata = {
-        name[len(METADATA_HEADER) :]: value
-        for name, value in lowered
-        if name.startswith(METADATA_HEADER)
-    }
-    return ObjectInfo(
-        key=key,
-        size=int(headers.get("content-length", 0)),
-        crc32c=_parse_crc(metadata, headers.get("x-amz-checksum-crc32c")),
-        etag=headers.get("etag"),
-        metadata=metadata,
-    )
-
-
-def _info_from_response(key: str, resp: Mapping[str, Any]) -> ObjectInfo:
-    metadata = {str(k).lower(): str(v) for k, v in (resp.get("Metadata") or {}).items()}
-    checksum = resp.get("ChecksumCRC32C")
-    return ObjectInfo(
-        key=key,
-        size=int(resp.get("ContentLength", 0)),
-        crc32c=_parse_crc(metadata, str(checksum) if checksum else None),
-        etag=str(resp["ETag"]) if resp.get("ETag") else None,
-        metadata=metadata,
-    )
-
-
-# --------------------------------------------------------------------------- download
-
-
-class ObjectBody(Protocol):
-    """The body of an open GET, from either transport (``loop_get``, ``signed_get``)."""
-
-    async def read(self) -> Chunk:
-        """The next chunk; ``b""`` at the end. Raises the transport's exceptions."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-class S3Download:
-    """An open S3 GET: ``info`` is known, the body is still on the wire and is read in
-    chunks, never buffered whole. Always ``aclose()`` it (or use ``async with``); closing
-    early drops the connection instead of draining the body."""
-
-    def __init__(self, s3: S3Client, info: ObjectInfo, body: ObjectBody) -> None:
-        self.info = info
-        self._s3 = s3
-        self._body = body
-        self._started = False
-        self._closed = False
-
-    async def __aenter__(self) -> S3Download:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def chunks(self) -> AsyncIterator[Chunk]:
-        """Yield the body in chunks of up to ``EC_S3_GET_CHUNK_SIZE`` bytes. Raises
-        :class:`S3Unavailable` when the connection breaks mid-body (the body is then
-        incomplete and must not be used)."""
-        if self._closed or self._started:
-            raise RuntimeError("download already closed or being read")
-        self._started = True
-        metrics = self._s3.metrics
-        received = 0
-        try:
-            while True:
-                try:
-                    chunk = await self._body.read()
-                except Exception as exc:
-                    raise map_error(exc, "get", self._s3.cooldown) from exc
-                if not chunk:
-                    break
-                received += len(chunk)
-                metrics.bytes_down.inc(len(chunk))
-                yield chunk
-        except S3Unavailable:
-            self._s3.mark_unavailable()
-            metrics.requests.labels("get_body", "unavailable").inc()
-            raise
-        if received != self.info.size:
-            # The connection closed early (a reset or an outage seen as a short body).
-            self._s3.mark_unavailable()
-            metrics.requests.labels("get_body", "unavailable").inc()
-            raise S3Unavailable(
-                f"S3 get of {self.info.key}: body ended after {received} of {self.info.size} bytes"
-            )
-        metrics.requests.labels("get_body", "ok").inc()
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self.chunks()
-
-    async def read_all(self) -> bytes:
-        """The whole body (tests and small objects only)."""
-        parts = [chunk async for chunk in self.chunks()]
-        return b"".join(parts)
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self._body.aclose()
-
-
-# --------------------------------------------------------------------------- client
 
 
 class S3Client:
@@ -228,12 +66,13 @@ class S3Client:
         secret_access_key: str | None = None,
         session_token: str | None = None,
     ) -> None:
-        if not settings.s3_bucket:
-            raise ValueError("S3 bucket name is empty")
+        if not settings.s3_endpoint_url or not settings.s3_bucket:
+            raise ValueError("S3 endpoint URL or bucket name is empty")
         self.settings = settings
+        self.endpoint: str = settings.s3_endpoint_url
         self.bucket: str = settings.s3_bucket
         self.prefix = settings.s3_prefix.strip("/")
-        self.cooldown = settings.s3_unavailable_cooldown
+        self.breaker = CircuitBreaker(settings.s3_unavailable_cooldown)
         self.metrics = metrics if metrics is not None else S3Metrics(registry)
         pool = settings.s3_max_pool_connections
         # One pool for every blocking S3 call (boto3 clients are thread-safe); its size
@@ -270,7 +109,7 @@ class S3Client:
         #: The boto3 client (thread-safe); call it only through :meth:`call`.
         self.client: Any = session.client(
             "s3",
-            endpoint_url=settings.s3_endpoint_url,
+            endpoint_url=self.endpoint,
             verify=settings.s3_verify_tls,
             config=config,
         )
@@ -278,7 +117,7 @@ class S3Client:
         #: even when the endpoint is a black hole.
         self.probe_client: Any = session.client(
             "s3",
-            endpoint_url=settings.s3_endpoint_url,
+            endpoint_url=self.endpoint,
             verify=settings.s3_verify_tls,
             config=Config(
                 connect_timeout=min(settings.s3_connect_timeout, 1.0),
@@ -291,62 +130,18 @@ class S3Client:
         signer = Signer(
             transport, self.bucket, settings.s3_region, config, session.get_credentials()
         )
-        #: The read path's GET (``open``): on the event loop, or on botocore's transport
-        #: where a proxy stands between us and the endpoint.
-        self._get: LoopGet | SignedGet
-        if transport.proxy_url:
-            self._get = SignedGet(
-                transport.session,
-                signer,
-                settings.s3_max_attempts,
-                self.executor,
-                settings.s3_get_chunk_size,
-            )
-        else:
-            self._get = LoopGet(
-                transport, config, signer, settings.s3_max_attempts, settings.s3_get_chunk_size
-            )
+        #: The read path's GET (``open``).
+        self._get = object_get(transport, config, signer, settings, self.executor)
         #: Every single-part upload (``transfers``): boto3's request, without its per-call
         #: pipeline. A streaming upload's body gets one attempt.
         self.signed_put = SignedPut(transport.session, signer, settings.s3_max_attempts)
         self._transport = transport
-        self._lock = threading.Lock()
-        self._unavailable_until = 0.0
-        self._last_unavailable: str | None = None
-
-    # ---------------------------------------------------------------- health
-
-    @property
-    def available(self) -> bool:
-        """False while the circuit breaker is open (an unavailable error happened less than
-        ``EC_S3_UNAVAILABLE_COOLDOWN`` seconds ago)."""
-        return time.monotonic() >= self._unavailable_until
-
-    def retry_after(self) -> float:
-        """Seconds a client should wait before retrying (for ``Retry-After``)."""
-        return max(1.0, self._unavailable_until - time.monotonic(), self.cooldown)
-
-    def mark_unavailable(self, reason: str | None = None) -> None:
-        """Open the breaker for one cooldown period."""
-        with self._lock:
-            self._unavailable_until = time.monotonic() + self.cooldown
-            if reason:
-                self._last_unavailable = reason
-
-    def mark_available(self) -> None:
-        """The endpoint answered: close the breaker."""
-        if self._unavailable_until:
-            with self._lock:
-                self._unavailable_until = 0.0
 
     def _check_breaker(self, operation: str) -> None:
-        if time.monotonic() < self._unavailable_until:
+        refused = self.breaker.refusal(operation)
+        if refused is not None:
             self.metrics.fast_failures.inc()
-            raise S3Unavailable(
-                f"S3 {operation} skipped: endpoint marked unavailable "
-                f"({self._last_unavailable or 'recent failure'})",
-                retry_after=self.retry_after(),
-            )
+            raise refused
 
     # ---------------------------------------------------------------- plumbing
 
@@ -392,7 +187,7 @@ class S3Client:
     def _succeeded(self, operation: str, started: float) -> None:
         self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
         self.metrics.requests.labels(operation, "ok").inc()
-        self.mark_available()
+        self.breaker.mark_available()
 
     def _failed(self, operation: str, started: float, exc: Exception, not_found_ok: bool) -> None:
         """Count ``exc``; return for a missing object when ``not_found_ok``, else raise
@@ -400,15 +195,15 @@ class S3Client:
         self.metrics.latency.labels(operation).observe(time.perf_counter() - started)
         if not_found_ok and is_not_found(exc):
             self.metrics.requests.labels(operation, "not_found").inc()
-            self.mark_available()
+            self.breaker.mark_available()
             return
-        mapped = map_error(exc, operation, self.cooldown)
+        mapped = map_error(exc, operation, self.breaker.cooldown)
         if isinstance(mapped, S3Unavailable):
             self.metrics.requests.labels(operation, "unavailable").inc()
-            self.mark_unavailable(str(mapped))
+            self.breaker.mark_unavailable(str(mapped))
         else:
             self.metrics.requests.labels(operation, "error").inc()
-            self.mark_available()  # it answered, so it is reachable
+            self.breaker.mark_available()  # it answered, so it is reachable
         raise mapped from exc
 
     async def call(
@@ -436,7 +231,7 @@ class S3Client:
             lambda: self.client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"),
             not_found_ok=True,
         )
-        return None if resp is None else _info_from_response(key, resp)
+        return None if resp is None else info_from_response(key, resp)
 
     async def open(self, key: str) -> S3Download | None:
         """Start a GET: ``None`` when the object does not exist, else an open download
@@ -447,7 +242,7 @@ class S3Client:
         if answer is None:
             return None
         headers, body = answer
-        return S3Download(self, _info_from_headers(key, headers), body)
+        return S3Download(info_from_headers(key, headers), body, self.breaker, self.metrics)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes | None:
         """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``
@@ -466,14 +261,6 @@ class S3Client:
             return data
 
         return await self.call("get_range", _get, not_found_ok=True)
-
-    async def get_bytes(self, key: str) -> bytes | None:
-        """The whole object in memory, or ``None`` (tests, small objects)."""
-        download = await self.open(key)
-        if download is None:
-            return None
-        async with download:
-            return await download.read_all()
 
     async def delete(self, key: str) -> None:
         """Remove an object; absent objects are fine."""

@@ -4,24 +4,26 @@ onto them.
 :class:`S3Unavailable`: connection refused or reset, timeouts, 5xx, throttling (the server
 answers 503 with ``Retry-After``). :class:`S3Error`: everything else (credentials,
 permissions, missing bucket, checksum refused, ...). A missing object is not an error:
-callers ask :func:`is_not_found` and answer ``None``.
+callers ask :func:`is_not_found` and answer ``None``. :func:`client_error` makes the
+``ClientError`` boto3 would raise for an error answer read without boto3, and
+:func:`standard_retries` says which failures are retried, when (botocore's "standard"
+retry mode).
 """
 
 from __future__ import annotations
 
 import random
-import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import botocore.exceptions as bce
 import urllib3.exceptions
 
+from app.retries import RetryPolicy, backoff
+
 #: Bytes of an error answer read for its XML document.
 ERROR_BODY_BYTES = 64 * 1024
-
-T = TypeVar("T")
 
 
 class S3Error(Exception):
@@ -123,41 +125,26 @@ def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S
     return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")
 
 
-#: botocore's standard retry mode: full jitter over min(base * 2**attempt, MAX_BACKOFF).
+#: botocore's "standard" retry mode: full jitter over the backoff from these bases.
 BASE_BACKOFF = 0.05
 THROTTLING_BACKOFF = 1.0
 MAX_BACKOFF = 20.0
 
 
-def retry_delay(exc: BaseException, attempt: int, max_attempts: int) -> float | None:
-    """Seconds to wait before retrying after failed attempt number ``attempt`` (from 1),
-    or None when it must not be retried: out of attempts, or a failure ``map_error``
-    does not call unavailable (connection errors, 5xx and throttling are)."""
-    if attempt >= max_attempts or not isinstance(map_error(exc, "get"), S3Unavailable):
-        return None
-    scale = THROTTLING_BACKOFF if is_throttling(exc) else BASE_BACKOFF
-    return random.random() * min(scale * 2.0 ** (attempt - 1), MAX_BACKOFF)
+def standard_retries(max_attempts: int) -> RetryPolicy:
+    """botocore's "standard" retry mode up to ``max_attempts``, as an
+    ``app.retries`` policy (for the transports that skip boto3's pipeline and its
+    retries: ``loop_get``, ``signed_get``, ``signed_put``): a failure ``map_error``
+    calls unavailable (connection errors, 5xx, throttling) is retried after a random
+    part of the backoff, a longer one for throttling; any other is not."""
 
+    def delay(exc: Exception, attempt: int) -> float | None:
+        if attempt >= max_attempts or not isinstance(map_error(exc, "get"), S3Unavailable):
+            return None
+        scale = THROTTLING_BACKOFF if is_throttling(exc) else BASE_BACKOFF
+        return random.random() * backoff(attempt, scale, MAX_BACKOFF)
 
-def retried(
-    call: Callable[[], T], max_attempts: int, rewind: Callable[[], object] | None = None
-) -> T:
-    """``call()``, retried as :func:`retry_delay` says (botocore's "standard" mode) up to
-    ``max_attempts``; ``rewind`` runs before each retry. Blocking: for a pool thread
-    (the transports that skip boto3's pipeline and its retries: ``signed_get``,
-    ``signed_put``)."""
-    attempt = 0
-    while True:
-        try:
-            return call()
-        except Exception as exc:
-            attempt += 1
-            delay = retry_delay(exc, attempt, max_attempts)
-            if delay is None:
-                raise
-            time.sleep(delay)
-            if rewind is not None:
-                rewind()
+    return delay
 
 
 def client_error(

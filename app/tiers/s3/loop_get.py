@@ -11,7 +11,7 @@ What it shares with the boto3 client: the SigV4 signature (``signing.Signer``), 
 endpoint and TLS verification (``http_session.S3Transport``), the connect and read
 timeouts, and ``EC_S3_MAX_POOL_CONNECTIONS`` as the number of idle connections kept
 alive for reuse. An endpoint reached through a proxy is read with ``signed_get`` instead
-(``S3Client`` decides).
+(``get_transport`` decides).
 
 Failures are those ``errors.map_error`` knows: ``ConnectionError`` (refused, reset,
 closed early, TLS), ``TimeoutError`` (connect, or no byte for the read timeout), and
@@ -32,8 +32,9 @@ import httptools
 from botocore.config import Config
 from botocore.httpsession import get_cert_path
 
+from app.retries import retried_async
 from app.tiers.base import Chunk
-from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retry_delay
+from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.http_session import S3Transport
 from app.tiers.s3.signed_get import FIRST_READ_BYTES, READ_AHEAD
 from app.tiers.s3.signing import Signer
@@ -326,7 +327,7 @@ class LoopGet:
     ) -> None:
         self._signer = signer
         self._endpoint = transport.endpoint
-        self._max_attempts = max_attempts
+        self._retries = standard_retries(max_attempts)
         self._chunk_size = chunk_size
         self._connect_timeout: float = config.connect_timeout
         self.read_timeout: float = config.read_timeout
@@ -341,16 +342,7 @@ class LoopGet:
         """The response headers and the unread body of ``key``. Raises ``ClientError``
         for an error answer (a missing object included), ``ConnectionError`` or
         ``TimeoutError`` after the last attempt."""
-        attempt = 0
-        while True:
-            try:
-                return await self._open_once(key)
-            except Exception as exc:
-                attempt += 1
-                delay = retry_delay(exc, attempt, self._max_attempts)
-                if delay is None:
-                    raise
-                await asyncio.sleep(delay)
+        return await retried_async(lambda: self._open_once(key), self._retries)
 
     async def _open_once(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
         signed = self._signer.get(key)

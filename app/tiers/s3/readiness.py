@@ -66,7 +66,7 @@ async def ensure_bucket(s3: S3Client) -> bool:
                 raise
 
     await s3.call("create_bucket", _create, breaker=False)
-    log.info("created S3 bucket %s at %s", s3.bucket, s3.settings.s3_endpoint_url or "AWS")
+    log.info("created S3 bucket %s at %s", s3.bucket, s3.endpoint)
     return True
 
 
@@ -77,7 +77,7 @@ async def check_ready(s3: S3Client) -> Readiness:
 
 
 def _check_ready_sync(s3: S3Client) -> Readiness:
-    endpoint = s3.settings.s3_endpoint_url or "AWS S3"
+    endpoint = s3.endpoint
     where = f"{endpoint} bucket {s3.bucket!r}"
     client = s3.probe_client
     try:
@@ -85,7 +85,7 @@ def _check_ready_sync(s3: S3Client) -> Readiness:
     except Exception as exc:
         first = exc
     else:
-        s3.mark_available()
+        s3.breaker.mark_available()
         return Readiness(True, f"{where} reachable", "ok")
     if isinstance(first, bce.NoCredentialsError | bce.PartialCredentialsError):
         return Readiness(
@@ -96,9 +96,9 @@ def _check_ready_sync(s3: S3Client) -> Readiness:
         )
     mapped = map_error(first, "head_bucket")
     if isinstance(mapped, S3Unavailable):
-        s3.mark_unavailable(str(mapped))
+        s3.breaker.mark_unavailable(str(mapped))
         return Readiness(False, f"{where} unreachable: {mapped}", "unreachable")
-    s3.mark_available()
+    s3.breaker.mark_available()
     code, status, _ = (
         client_error_info(first) if isinstance(first, bce.ClientError) else ("", 0, "")
     )

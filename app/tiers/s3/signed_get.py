@@ -1,6 +1,7 @@
 """The read path's GET on botocore's transport: one SigV4-signed request on a botocore
-connection pool, its body read on the S3 thread pool. ``S3Client`` uses it where the
-endpoint is reached through a proxy; everywhere else ``loop_get`` reads on the event loop.
+connection pool, its body read on the S3 thread pool. It reads where the endpoint is
+reached through a proxy (``get_transport``); everywhere else ``loop_get`` reads on the
+event loop.
 
 A read-through GET waits for S3's first byte before it can answer, so everything spent
 before that byte is paid by the client. boto3's ``get_object`` spends about 1 ms of CPU
@@ -14,8 +15,8 @@ keeps what matters from botocore and drops the rest:
   so its exceptions are botocore's;
 * errors: a non-200 answer becomes a botocore ``ClientError`` (code and message from
   S3's XML error document), so ``errors.map_error`` maps it like any boto3 failure;
-* retries: ``errors.retried`` (botocore's "standard" mode) up to
-  ``EC_S3_MAX_ATTEMPTS``.
+* retries: ``app.retries.retried`` with ``errors.standard_retries`` (botocore's
+  "standard" mode) up to ``EC_S3_MAX_ATTEMPTS``.
 
 Path-style addressing only (``client.ADDRESSING_STYLE``). The body is a urllib3 response
 read exactly as botocore's ``StreamingBody`` reads it, by one pool job per GET.
@@ -34,7 +35,8 @@ from typing import Any
 from botocore.awsrequest import AWSRequest
 from botocore.httpsession import URLLib3Session
 
-from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retried
+from app.retries import retried
+from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class SignedGet:
     ) -> None:
         self._http = http
         self._signer = signer
-        self._max_attempts = max_attempts
+        self._retries = standard_retries(max_attempts)
         self._executor = executor
         self._chunk_size = chunk_size
 
@@ -75,7 +77,7 @@ class SignedGet:
         return headers, ThreadedBody(self._executor, raw, first, size, self._chunk_size)
 
     def _open(self, key: str) -> tuple[Mapping[str, str], Any, bytes]:
-        headers, raw = retried(lambda: self._get_once(key), self._max_attempts)
+        headers, raw = retried(lambda: self._get_once(key), self._retries)
         # The first chunk is read by this same job, so it reaches the loop without
         # another hand-over to the pool and back.
         try:
@@ -109,7 +111,6 @@ class ThreadedBody:
     ) -> None:
         self._executor = executor
         self._raw = raw
-        self._size = size
         self._chunk_size = chunk_size
         self._arrived: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
         self._job: asyncio.Future[None] | None = None

@@ -19,7 +19,8 @@ This PUT keeps what matters from botocore and drops the rest:
   timeouts, pool size), so its exceptions are botocore's;
 * errors: a non-2xx answer becomes the ``ClientError`` boto3 raises
   (``errors.client_error``), so ``errors.map_error`` maps it like any boto3 failure;
-* retries: ``errors.retried`` (botocore's "standard" mode) up to ``max_attempts``,
+* retries: ``app.retries.retried`` with ``errors.standard_retries`` (botocore's
+  "standard" mode) up to ``max_attempts``,
   the body rewound for each; a body that cannot be rewound (a streaming upload's
   pipe) gets one attempt.
 
@@ -34,7 +35,8 @@ from typing import Any
 from botocore.awsrequest import AWSRequest
 from botocore.httpsession import URLLib3Session
 
-from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, retried
+from app.retries import retried
+from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.signing import Signer
 
 #: A body above this size waits for ``100 Continue`` (S3's go-ahead after checking the
@@ -48,7 +50,8 @@ class SignedPut:
     def __init__(self, http: URLLib3Session, signer: Signer, max_attempts: int) -> None:
         self._http = http
         self._signer = signer
-        self._max_attempts = max_attempts
+        self._retries = standard_retries(max_attempts)
+        self._no_retries = standard_retries(1)
 
     def put(
         self,
@@ -60,10 +63,10 @@ class SignedPut:
         checksum_crc32c: str,
         metadata: Mapping[str, str],
     ) -> None:
-        """PUT ``size`` bytes of ``body`` as ``key``: bytes, or a file-like object
-        (``read``, ``seekable``; when seekable, ``tell`` and ``seek`` rewind it for a
-        retry). Raises botocore's exceptions, as ``put_object`` would. Blocking: call it
-        on the S3 thread pool."""
+        """PUT ``size`` bytes of ``body`` as ``key``: a file-like object (``read``,
+        ``seekable``; when seekable, ``tell`` and ``seek`` rewind it for a retry).
+        Raises botocore's exceptions, as ``put_object`` would. Blocking: call it on the
+        S3 thread pool."""
         headers = {
             "Content-Length": str(size),
             "Content-Type": content_type,
@@ -73,13 +76,12 @@ class SignedPut:
         }
         if size > EXPECT_CONTINUE_ABOVE:
             headers["Expect"] = "100-continue"
-        in_memory = isinstance(body, bytes | bytearray | memoryview)
-        rewindable = in_memory or body.seekable()
-        start = body.tell() if rewindable and not in_memory else 0
+        rewindable = body.seekable()
+        start = body.tell() if rewindable else 0
         retried(
             lambda: self._put_once(key, headers, body),
-            self._max_attempts if rewindable else 1,
-            None if in_memory else lambda: body.seek(start),
+            self._retries if rewindable else self._no_retries,
+            lambda: body.seek(start),
         )
 
     def _put_once(self, key: str, headers: Mapping[str, str], body: Any) -> None:

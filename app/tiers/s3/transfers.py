@@ -1,4 +1,6 @@
-"""Uploads: one ``PutObject`` below the multipart threshold, multipart above it.
+"""Uploads: a file in one ``PutObject`` below the multipart threshold, in parts above it
+(:func:`put_file`), or a body sent as it is received (:class:`StreamingPut`, a
+write-through PUT below the threshold).
 
 Every upload carries the entry's CRC32C twice: as the S3 object checksum
 (``ChecksumAlgorithm=CRC32C``), so the endpoint refuses a body that does not match (single
@@ -25,14 +27,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from app.checksum import crc32c as crc32c_of
-from app.tiers.s3.client import METADATA_CRC_KEY, S3Client, crc32c_to_b64
+from app.tiers.s3.client import S3Client
 from app.tiers.s3.errors import S3Error
+from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_to_b64
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-#: S3 refuses multipart parts smaller than this (except the last one).
-MIN_PART_SIZE = 5 * MiB
 #: S3 allows at most this many parts in one multipart upload.
 MAX_PARTS = 10_000
 
@@ -101,18 +102,6 @@ def _put_object(
         metadata=object_metadata(crc32c, metadata),
     )
     s3.metrics.bytes_up.inc(size)
-
-
-async def put_bytes(
-    s3: S3Client,
-    key: str,
-    data: bytes,
-    *,
-    crc32c: int,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Single PUT of an in-memory body (tests, small objects)."""
-    await s3.call("put", lambda: _put_object(s3, key, data, len(data), crc32c, metadata))
 
 
 class MappedFileBody:
@@ -300,11 +289,6 @@ class StreamingPut:
 
         self._task: asyncio.Future[bool | None] = asyncio.ensure_future(s3.call("put", _send))
         self._task.add_done_callback(_consume_result)
-
-    @property
-    def failed(self) -> bool:
-        """The upload is over before its end: S3 refused or broke it (``finish`` raises)."""
-        return self._task.done()
 
     async def feed(self, chunks: Sequence[bytes | memoryview]) -> None:
         """Hand received chunks to the sender (all but their last ``HELD_BACK_BYTES``

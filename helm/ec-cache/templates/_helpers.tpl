@@ -219,11 +219,13 @@ Renders "" when the text is not such a size.
 {{- end -}}
 {{- $hasTokens := or $v.auth.tokens.existingSecret $v.auth.tokens.value $v.auth.tokensFile.existingSecret -}}
 {{- if and (not $hasTokens) (or (kindIs "invalid" $v.config.anonymous) (eq (toString $v.config.anonymous) "none")) -}}
-{{- fail "no auth tokens (auth.tokens / auth.tokensFile) and no anonymous access (config.anonymous): the server refuses to start like that on a pod's listener. Configure tokens, or set config.anonymous to read or read-write" -}}
+{{- fail "no auth tokens (auth.tokens / auth.tokensFile) and no anonymous access (config.anonymous): the server refuses to start like that on a pod's listener. Configure tokens, or set config.anonymous to read, read-write or admin" -}}
 {{- end -}}
-{{- $shutdown := addf ($v.config.shutdownTimeout | default 30 | float64) ($v.config.writeback.drainTimeout | default 10 | float64) -}}
-{{- if lt (float64 $v.terminationGracePeriodSeconds) (addf (float64 $v.preStopSleepSeconds) $shutdown) -}}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must be >= preStopSleepSeconds (%v) + config.shutdownTimeout + config.writeback.drainTimeout (%v): the kubelet would kill in-flight requests" $v.terminationGracePeriodSeconds $v.preStopSleepSeconds $shutdown) -}}
+{{- $shutdown := $v.config.shutdownTimeout | default 30 | float64 -}}
+{{- $drain := $v.config.writeback.drainTimeout | default 10 | float64 -}}
+{{- $grace := addf (float64 $v.preStopSleepSeconds) $shutdown $drain -}}
+{{- if lt (float64 $v.terminationGracePeriodSeconds) $grace -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be >= preStopSleepSeconds + config.shutdownTimeout + config.writeback.drainTimeout = %v + %v + %v = %v: the kubelet would kill in-flight requests" $v.terminationGracePeriodSeconds $v.preStopSleepSeconds $shutdown $drain $grace) -}}
 {{- end -}}
 {{- $disk := include "ec-cache.bytes" (dict "value" $v.config.diskMaxBytes "server" true) -}}
 {{- if not $disk -}}
