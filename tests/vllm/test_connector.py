@@ -36,6 +36,9 @@ from vllm.v1.request import Request
 SCHED = ECConnectorRole.SCHEDULER
 WORKER = ECConnectorRole.WORKER
 DTYPE = "bfloat16"
+# The synchronous load path of this module's tests; the scheduler waits for each
+# existence answer (the asynchronous path: test_async_loads.py).
+SYNC = {"load_mode": "sync", "exists_wait_s": 5}
 
 
 def ns() -> str:
@@ -226,7 +229,7 @@ def test_one_round_trip_per_request_and_local_positives(
     a, b, c_ = mm_hash(), mm_hash(), mm_hash()
     put_raw(server, model, a, embeds())
     put_raw(server, model, b, embeds())
-    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE, **SYNC})
     req = make_request([a, b, c_])
     # vLLM calls ensure_cache_available before the per-item questions.
     assert sched.ensure_cache_available(req, 0) is True
@@ -243,7 +246,7 @@ def test_one_round_trip_per_request_and_local_positives(
     assert totals["hits_local"] == 2
 
     # Items already consumed by the prefill are not asked about.
-    fresh = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    fresh = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE, **SYNC})
     consumed = req.mm_features[1].mm_position
     fresh.ensure_cache_available(req, consumed.offset + consumed.length)
     assert fresh.counters()["exists_requests"] == 1
@@ -285,7 +288,7 @@ def test_breaker_probes_and_recovers(
     sched = connector(
         SCHED,
         {"url": f"http://127.0.0.1:{port}", "model": model, "dtype": DTYPE,
-         "breaker_failures": 1, "breaker_cooldown_s": 0.5},
+         "breaker_failures": 1, "breaker_cooldown_s": 0.5, **SYNC},
     )  # fmt: skip
     h = mm_hash()
     assert sched.has_cache_item(h) is False  # nothing listens: the breaker opens
@@ -337,7 +340,7 @@ def test_build_connector_meta_carries_the_loads(
     model = ns()
     hit, miss = mm_hash(), mm_hash()
     put_raw(server, model, hit, embeds(rows=16))
-    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE, **SYNC})
     req = make_request([miss, hit], rows=16, req_id="r-meta")
     out, meta = step(sched, [req])
     assert isinstance(meta, ECCacheConnectorMetadata)
@@ -363,7 +366,7 @@ def test_worker_saves_in_background_and_loads_equal_tensors(
     server: Server, connector: Callable[..., ECCacheConnector]
 ) -> None:
     model = ns()
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     producer = connector(WORKER, extra)
     outputs = {mm_hash(): embeds(rows=16, seed=i) for i in range(3)}
     encoder_cache = dict(outputs)
@@ -437,7 +440,7 @@ def test_failed_load_is_recomputed_in_the_same_step(
     server: Server, connector: Callable[..., ECCacheConnector]
 ) -> None:
     model = ns()
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     kept, lost = mm_hash(), mm_hash()
     put_raw(server, model, kept, embeds(seed=1))
     put_raw(server, model, lost, embeds(seed=2))
@@ -473,7 +476,7 @@ def test_vllm_model_runner_encodes_the_recomputed_item(
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     model = ns()
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     kept, lost, computed = mm_hash(), mm_hash(), mm_hash()
     put_raw(server, model, kept, embeds(seed=1))
     put_raw(server, model, lost, embeds(seed=2))
@@ -510,7 +513,7 @@ def test_failed_load_is_loud_when_it_cannot_be_recomputed(
         ({"on_load_failure": "raise"}, 1),
         ({}, 2),  # recomputing on one tensor-parallel rank would desync the ranks
     ):
-        full = {"url": server.url, "model": model, "dtype": DTYPE, **extra}
+        full = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC, **extra}
         sched = connector(SCHED, full, tensor_parallel_size=tp)
         worker = connector(WORKER, full, tensor_parallel_size=tp)
         out, _ = step(sched, [make_request([h])])
@@ -529,7 +532,7 @@ def test_wrong_shape_is_not_loaded(
     model = ns()
     h = mm_hash()
     put_raw(server, model, h, embeds(rows=8))  # same id, different content size
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     sched, worker = connector(SCHED, extra), connector(WORKER, extra)
     out, _ = step(sched, [make_request([h], rows=16, req_id="r-shape")])
     worker.bind_connector_metadata(out.ec_connector_metadata)
@@ -640,7 +643,7 @@ def _save_then_load_all(
     urls: list[str], connector: Callable[..., ECCacheConnector], n: int = 12
 ) -> tuple[str, dict[str, torch.Tensor], ECCacheConnector, dict[str, torch.Tensor]]:
     model = ns()
-    extra = {"urls": urls, "model": model, "dtype": DTYPE}
+    extra = {"urls": urls, "model": model, "dtype": DTYPE, **SYNC}
     worker = connector(WORKER, extra)
     outputs = {mm_hash(): embeds(seed=i) for i in range(n)}
     for h in outputs:
