@@ -16,7 +16,9 @@ The scheduler output is pickled on its way to each worker, as vLLM's executors d
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -52,10 +54,20 @@ class EngineLoop:
         self.caches: list[dict[str, torch.Tensor]] = [{} for _ in workers]
         self._monkeypatch = monkeypatch
 
-    def schedule(self, requests: list[Request], *, others_running: bool = True) -> Step:
+    def schedule(
+        self,
+        requests: list[Request],
+        *,
+        others_running: bool = True,
+        chunk: dict[str, list[int]] | None = None,
+        preempted: set[str] | None = None,
+    ) -> Step:
         """One scheduling step over ``requests``. ``others_running``: requests not
-        shown here run in this step (the model runs even if all of these wait)."""
+        shown here run in this step (the model runs even if all of these wait).
+        ``chunk``: the items this step's prefill chunk of a request covers (default:
+        all). ``preempted``: requests vLLM preempted in this step."""
         out = SchedulerOutput.make_empty()
+        out.preempted_req_ids = set(preempted or ())
         step = Step(out)
         for req in requests:
             if not self.sched.ensure_cache_available(req, req.num_computed_tokens):
@@ -63,8 +75,9 @@ class EngineLoop:
                 continue
             step.scheduled.append(req.request_id)
             computed = []
-            for i, feature in enumerate(req.mm_features):
-                if not self.sched.has_cache_item(feature.identifier):
+            items = (chunk or {}).get(req.request_id, range(len(req.mm_features)))
+            for i in items:
+                if not self.sched.has_cache_item(req.mm_features[i].identifier):
                     computed.append(i)
                 self.sched.update_state_after_alloc(req, i)
             if computed:
@@ -97,7 +110,19 @@ class EngineLoop:
             self.sched.update_connector_output(merged.ec_connector_output)
         return shipped_outputs
 
-    def run(self, requests: list[Request], *, others_running: bool = True) -> Step:
-        step = self.schedule(requests, others_running=others_running)
+    def run(self, requests: list[Request], **schedule: Any) -> Step:
+        step = self.schedule(requests, **schedule)
         self.execute(step)
         return step
+
+    def run_until_scheduled(
+        self, requests: list[Request], limit_s: float = 20.0, **schedule: Any
+    ) -> Step:
+        """Steps (others running) until none of ``requests`` is deferred."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            step = self.run(requests, **schedule)
+            if not step.deferred:
+                return step
+            assert time.monotonic() < deadline, f"still deferred after {limit_s} s"
+            time.sleep(0.01)

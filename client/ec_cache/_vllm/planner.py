@@ -60,9 +60,15 @@ class _Item:
     deadline: float | None = None  # set when shipped
 
 
+# Added to the workers' own deadline before the scheduler gives up on an item, so
+# that a worker's failure (with its reason, in its report) normally comes first.
+REPORT_GRACE_S = 1.0
+
+
 class PrefetchPlanner:
-    """Per-item prefetch state of one scheduler. ``timeout_s``: how long a shipped
-    item may take to become ready on every rank before it is given up (a miss)."""
+    """Per-item prefetch state of one scheduler. ``timeout_s``: the workers' deadline
+    for a prefetch; a shipped item not ready on every rank ``REPORT_GRACE_S`` after
+    it is given up (a miss)."""
 
     def __init__(
         self,
@@ -172,7 +178,7 @@ class PrefetchPlanner:
         for item in self._items.values():
             if item.status is PrefetchStatus.ORDERED:
                 item.status = PrefetchStatus.SHIPPED
-                item.deadline = now + self._timeout
+                item.deadline = now + self._timeout + REPORT_GRACE_S
                 orders.append(item.order)
         if orders:
             self._counters.add("prefetch_started", len(orders))

@@ -148,12 +148,19 @@ class _Job:
     started: float = field(default_factory=time.monotonic)
 
 
+# A held entry neither taken nor released this many ``timeout_s`` after it arrived is
+# dropped: a guard against a release that never came, not a part of the protocol
+# (the scheduler releases what nobody waits for).
+HELD_TTL_TIMEOUTS = 3
+
+
 class Prefetcher:
     """Fetches ordered entries on ``threads`` daemon threads into host memory, at
-    most ``budget_bytes`` at once (fetching and held); each order must be held within
-    ``timeout_s`` of its arrival, and a held entry nobody takes within ``timeout_s``
-    is dropped. ``staging``: the pool of (pinned) buffers to receive into; without
-    it each entry gets a tensor of its own (CPU workers: handed to vLLM as it is)."""
+    most ``budget_bytes`` at once (fetching and held; tensor bytes, a pooled buffer
+    rounds up); each order must be held within ``timeout_s`` of its arrival (waiting
+    for room included). ``staging``: the pool of (pinned) buffers to receive into;
+    without it each entry gets a tensor of its own (CPU workers: handed to vLLM as
+    it is)."""
 
     def __init__(
         self,
@@ -240,12 +247,13 @@ class Prefetcher:
             return entry
 
     def report(self) -> PrefetchReport:
-        """Held orders, failures since the previous report, bytes taken; drops held
-        entries nobody took within ``timeout_s`` and queued orders past their deadline."""
+        """Held orders, failures since the previous report, bytes taken; fails queued
+        orders past their deadline, drops held entries past ``HELD_TTL_TIMEOUTS``."""
         with self._cond:
             now = time.monotonic()
+            held_ttl = HELD_TTL_TIMEOUTS * self._timeout
             for job in list(self._jobs.values()):
-                if job.state is _State.HELD and now - job.held_since >= self._timeout:
+                if job.state is _State.HELD and now - job.held_since >= held_ttl:
                     self._counters.add("prefetch_held_expired")
                     self._remove(job)
                 elif job.state is _State.QUEUED and now >= job.deadline:
