@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
 TORCH  := torch==2.13.0
 
-.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests vllm-engine-tests bench bench-quick bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: run test system-deps lint typecheck deploy-check pytest-suite vllm-tests vllm-engine-tests bench bench-quick bench-vllm-stalls bench-gpu bench-gpu-cpu gpu-wheels clean
 
 $(VENV)/.server: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ bench: system-deps $(VENV)/.test
 
 bench-quick: system-deps $(VENV)/.test
 	$(PY) -m bench --quick
+
+## bench-vllm-stalls: a real engine's stalls under a slow cache, before/after async loads
+bench-vllm-stalls: $(VENV)/.test
+	bash scripts/setup-vllm-engine-venv.sh
+	$(PY) -m bench.vllm_stalls
 
 ## bench-gpu: the SDK's GPU path (bench/gpu.py) on a CUDA machine, with that machine's
 ## python3 (no .venv: see bench/README.md, "GPU path"); results in $(GPU_OUT)

@@ -693,6 +693,8 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         self._counters.add("hits" if answer else "misses")
         if answer:
             self._promised.add(identifier)
+            if existence.take_local(identifier):
+                self._counters.add("hits_local")
         elif existence.is_outage(identifier):
             self._counters.add("misses_outage")
         return answer

@@ -55,6 +55,7 @@ class Existence:
         self._carry: dict[str, bool] = {}
         self._outage: set[str] = set()  # answered "miss" because of an outage
         self._carry_outage: set[str] = set()
+        self._local: set[str] = set()  # answered from the LRU this step
         self._asking: dict[str, Future[_Outcome]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._breaker_opened_seen = 0
@@ -72,7 +73,7 @@ class Existence:
             return False
         if self._hits.get(identifier):
             self._step[identifier] = True
-            self._counters.add("hits_local")
+            self._local.add(identifier)
             return True
         if self._misses.get(identifier):
             self._step[identifier] = False
@@ -82,6 +83,13 @@ class Existence:
     def is_outage(self, identifier: str) -> bool:
         """Whether this step's "miss" for ``identifier`` came from an outage."""
         return identifier in self._outage
+
+    def take_local(self, identifier: str) -> bool:
+        """Whether this step's answer for ``identifier`` came from the LRU (once)."""
+        if identifier in self._local:
+            self._local.discard(identifier)
+            return True
+        return False
 
     def is_asking(self, identifier: str) -> bool:
         return identifier in self._asking
@@ -136,6 +144,7 @@ class Existence:
     def end_step(self) -> None:
         self._step, self._carry = self._carry, {}
         self._outage, self._carry_outage = self._carry_outage, set()
+        self._local = set()
 
     def note_breaker(self) -> None:
         """Count the times the breaker opened since the previous call."""
