@@ -108,6 +108,9 @@ __all__ = [
 # A child of vLLM's "vllm" logger, so that vLLM's logging configuration shows it.
 logger = logging.getLogger("vllm.ec_cache")
 
+# How long a step that runs nothing waits for an existence answer in flight.
+_IDLE_STEP_WAIT_S = 0.001
+
 
 def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> tuple[str, str]:
     """The ``(model, dtype)`` path parts for this deployment.
@@ -734,11 +737,16 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
             self._resident.discard(mm_hash)
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._planner.drop_request(request_id)
+        # The workers see this metadata only when the step runs the model.
+        runs = getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
+        if not runs:
+            # Only deferred requests: give the background question a moment, as
+            # vLLM's engine loop sleeps 1 ms after such a step (its offline loop
+            # does not, and would keep the GIL from the question's thread).
+            self._existence.wait_a_little(_IDLE_STEP_WAIT_S)
         orders: list[PrefetchOrder] = []
         releases: list[int] = []
         if self.async_loads:
-            # The workers see this metadata only when the step runs the model.
-            runs = getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
             orders, releases, expired = self._planner.end_step(runs)
             for mm_hash in expired:
                 self._existence.forget_hit(mm_hash)

@@ -5,15 +5,16 @@ the next token of every running request. So answers are kept (positives in a bou
 LRU, negatives for the step and ``miss_ttl_s``), a failing server is cut off by a
 circuit breaker, and on a vLLM that lets the connector defer a request the question
 goes to a background thread: the loop waits for it at most ``exists_wait_s`` and
-otherwise defers the request until the answer is in.
+otherwise defers the request until the answer is in. That thread asks one question
+at a time, about everything queued meanwhile: a slow server gets one ``_exists`` in
+flight from each scheduler, however many requests arrive.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache
 
@@ -22,15 +23,12 @@ __all__ = ["Existence"]
 # One round trip's outcome: the answers (None when it failed), its error, its seconds.
 _Outcome = tuple[list[bool] | None, Exception | None, float]
 
-# Questions in flight at once; more wait in the pool's queue.
-_ASK_THREADS = 4
-
 
 class Existence:
     """Answers about items, asked with ``ask(identifiers) -> [present, ...]``.
 
-    Only the scheduler's thread calls the methods; the background threads run the
-    round trips alone and hand back their outcome through a future.
+    Only the scheduler's thread calls the methods; the background thread runs the
+    round trips and hands their outcomes back under ``_cond``.
     """
 
     def __init__(
@@ -56,9 +54,15 @@ class Existence:
         self._outage: set[str] = set()  # answered "miss" because of an outage
         self._carry_outage: set[str] = set()
         self._local: set[str] = set()  # answered from the LRU this step
-        self._asking: dict[str, Future[_Outcome]] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._asking: set[str] = set()  # queued or in flight, not collected yet
         self._breaker_opened_seen = 0
+        # Shared with the background thread:
+        self._cond = threading.Condition()
+        self._queued: dict[str, None] = {}  # to ask next, in order
+        self._outcomes: list[tuple[list[str], _Outcome]] = []  # not collected yet
+        self._answered: set[str] = set()  # the identifiers of those outcomes
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     def known(self, identifier: str) -> bool | None:
         """The answer from local state, without the network (``None``: unknown)."""
@@ -101,38 +105,56 @@ class Existence:
             self._apply(todo, self._round_trip(todo), carry=False)
 
     def ask_in_background(self, identifiers: Iterable[str], wait_s: float) -> None:
-        """Send one question for those of ``identifiers`` neither answered nor asked
-        yet, and wait for its answer at most ``wait_s`` seconds."""
+        """Queue those of ``identifiers`` neither answered nor asked yet for the
+        background thread, and wait for their answer at most ``wait_s`` seconds."""
         todo = self._todo(identifiers)
         if not todo or not self._may_ask(todo):
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_ASK_THREADS, thread_name_prefix="ec-cache-exists")
-        future = self._pool.submit(self._round_trip, todo)
-        for identifier in todo:
-            self._asking[identifier] = future
-        if wait_s > 0:
-            concurrent.futures.wait([future], timeout=wait_s)
+        self._asking.update(todo)
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            self._queued.update(dict.fromkeys(todo))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ec-cache-exists", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+            while not self._answered.issuperset(todo) and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
         self.collect()
 
     def wait_for(self, identifier: str) -> None:
-        """Block until the question in flight about ``identifier`` is answered (its
-        round trip is bounded by the client's timeouts)."""
-        future = self._asking.get(identifier)
-        if future is not None:
-            concurrent.futures.wait([future])
-            self.collect()
+        """Block until the question about ``identifier`` is answered (each round
+        trip is bounded by the client's timeouts)."""
+        if identifier not in self._asking:
+            return
+        with self._cond:
+            while identifier not in self._answered and not self._closed:
+                self._cond.wait()
+        self.collect()
+
+    def wait_a_little(self, timeout: float) -> None:
+        """With questions out, give the background thread up to ``timeout`` seconds
+        (the scheduling loop spinning over deferred requests would starve it)."""
+        if not self._asking:
+            return
+        with self._cond:
+            if not self._outcomes:
+                self._cond.wait(timeout)
+        self.collect()
 
     def collect(self) -> None:
-        """Take in the answers of the background questions that are done."""
-        done = {id(f): f for f in self._asking.values() if f.done()}
-        if not done:
-            return
-        for future in done.values():
-            todo = [i for i, f in self._asking.items() if f is future]
-            for identifier in todo:
-                del self._asking[identifier]
-            self._apply(todo, future.result(), carry=True)
+        """Take in the answers that came back."""
+        with self._cond:
+            outcomes, self._outcomes = self._outcomes, []
+            self._answered.clear()
+        for todo, outcome in outcomes:
+            self._asking.difference_update(todo)
+            self._apply(todo, outcome, carry=True)
 
     def forget_hit(self, identifier: str) -> None:
         """``identifier`` could not be loaded after all: a miss until ``miss_ttl_s``."""
@@ -154,8 +176,23 @@ class Existence:
             self._breaker_opened_seen = opened
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queued and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                todo, self._queued = list(self._queued), {}
+            outcome = self._round_trip(todo)
+            with self._cond:
+                self._outcomes.append((todo, outcome))
+                self._answered.update(todo)
+                self._cond.notify_all()
 
     def _todo(self, identifiers: Iterable[str]) -> list[str]:
         return list(

@@ -219,23 +219,20 @@ class Prefetcher:
         """Drop the entry of ``order_id``: held memory is freed now, a queued order
         never starts, a fetch in flight is dropped when it ends."""
         with self._cond:
-            job = self._by_order.pop(order_id, None)
-            if job is None or job.cancelled:
-                return
-            self._counters.add("prefetch_dropped")
-            if job.state is _State.FETCHING:
-                job.cancelled = True
-                return
-            self._remove(job)
+            job = self._by_order.get(order_id)
+            if job is not None:
+                self._drop(job)
 
     def take(self, mm_hash: str, wait_until: float) -> HostEntry | None:
         """The held entry of ``mm_hash``, now owned by the caller; one still being
-        fetched is waited for until ``wait_until``. ``None``: not held (fetch it)."""
+        fetched is waited for until ``wait_until``. ``None``: not held (the caller
+        fetches it; a prefetch still under way then is dropped)."""
         with self._cond:
             job = self._jobs.get(mm_hash)
             while job is not None and job.state is not _State.HELD:
                 remaining = wait_until - time.monotonic()
                 if job.cancelled or remaining <= 0:
+                    self._drop(job)
                     return None
                 self._cond.wait(remaining)
                 job = self._jobs.get(mm_hash)
@@ -381,6 +378,16 @@ class Prefetcher:
         return HostEntry(typed_view(lease.tensor, nbytes, self._dtype, shape), nbytes, lease)
 
     # ------------------------------------------------------- under self._cond
+
+    def _drop(self, job: _Job) -> None:
+        if job.cancelled:
+            return
+        self._counters.add("prefetch_dropped")
+        if job.state is _State.FETCHING:
+            job.cancelled = True  # removed when the fetch ends
+            self._by_order.pop(job.order.order_id, None)
+        else:
+            self._remove(job)
 
     def _give_up(self, job: _Job, why: str) -> None:
         """End ``job`` without an entry: dropped if it was released, else failed."""
