@@ -168,7 +168,8 @@ def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> t
 
 @dataclass
 class ECCacheLoad:
-    """One encoder output for the worker to fetch in this step."""
+    """One encoder output for the worker to put into ``encoder_cache`` in this step
+    (from its prefetch in host memory, else fetched there and then)."""
 
     mm_hash: str  # vLLM's identifier: the encoder_cache key
     key: str  # the {hash} path part (cache_key(mm_hash))
