@@ -18,7 +18,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: run sdk lock test system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: run sdk lock test system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -112,6 +112,11 @@ bench-serve: $(VENV)/.test
 	bash scripts/setup-vllm-engine-venv.sh
 	$(PY) -m bench.serve
 	$(PY) -m bench.break_even
+
+## bench-vllm-stalls: a real engine's stalls under a slow cache, before/after async loads
+bench-vllm-stalls: $(VENV)/.test
+	bash scripts/setup-vllm-engine-venv.sh
+	$(PY) -m bench.vllm_stalls
 
 ## bench-gpu: the SDK's GPU path (bench/gpu.py) on a CUDA machine, with that machine's
 ## python3 (no .venv: see bench/README.md, "GPU path"); results in $(GPU_OUT)

@@ -503,7 +503,7 @@ class Receiver:
         lease = self._lease
         assert lease is not None
         torch_dtype = DTYPES[meta.dtype][0]
-        staged = _typed_view(lease.tensor, meta.nbytes, torch_dtype, meta.shape)
+        staged = typed_view(lease.tensor, meta.nbytes, torch_dtype, meta.shape)
         try:
             if self.out is not None and self.out.device.type == "cpu":
                 self.out.copy_(staged)
@@ -522,7 +522,7 @@ class Receiver:
             lease.release()
 
 
-def _typed_view(
+def typed_view(
     raw: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """``raw[:nbytes]`` (uint8) seen as ``dtype`` of ``shape``, without copying."""

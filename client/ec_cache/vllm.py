@@ -15,21 +15,33 @@ once in every worker (role ``WORKER``). See ``docs/vllm.md`` for the keys of
 versions. This is the only module of the SDK that imports vLLM.
 
 Scheduler side
-    ``has_cache_item`` runs inside vLLM's scheduling loop. Before vLLM asks about a
-    request's items it calls ``ensure_cache_available(request, ...)``; the connector
-    then asks the server about every item of that request that is still to be
-    computed in ONE ``POST _exists``. Answers are kept: positives in a bounded LRU
-    (entries are immutable), negatives until the end of the step (plus ``miss_ttl_s``).
-    Every request carries a short timeout; failures feed a circuit breaker, and while
-    it is open every question is answered "miss" without touching the network.
+    vLLM calls ``ensure_cache_available(request, ...)`` before it looks at a
+    request's encoder inputs; ``False`` defers the request to a later step. The
+    connector asks the server about every item of the request still to be computed
+    in ONE ``POST _exists``, on a background thread, waiting for it at most
+    ``exists_wait_s`` (then the request waits, not the scheduling loop). Answers are
+    kept: positives in a bounded LRU (entries are immutable), negatives for the step
+    and ``miss_ttl_s``. Failures feed a circuit breaker; while it is open every
+    question is answered "miss" without touching the network.
+
+    With ``load_mode: async`` (the default where vLLM has the hooks) an item found
+    in ec-cache is ordered from the workers through the step's metadata, and the
+    request is deferred until every worker rank reports it in host memory (the
+    ranks' reports are merged by ``ECConnectorWorkerMetadata.aggregate``); a failed
+    or late prefetch makes the item a miss, computed by the encoder. See
+    ``ec_cache._vllm.planner``.
 
 Worker side
-    ``start_load_caches`` fetches all items of the step concurrently, straight to the
-    worker's own device, validates their row count, and stores them in vLLM's
-    ``encoder_cache``. ``save_caches`` only stages a host copy (a pinned buffer on a side
-    stream on CUDA) and queues it; daemon threads upload it. One tensor-parallel rank
-    uploads; the server's first-writer-wins makes a duplicate upload harmless (it is
-    answered 200 and stores nothing).
+    Prefetch orders run on background threads into host buffers (pinned on a GPU
+    worker) within ``prefetch_buffer_bytes`` (``ec_cache._vllm.prefetch``);
+    ``start_load_caches`` then only copies the held bytes to the device. Items to
+    load without a prefetch (``load_mode: sync``, an idle engine) are fetched there,
+    concurrently, straight to the worker's own device; each is checked for its row
+    count before it goes into vLLM's ``encoder_cache``. ``save_caches`` only stages
+    a host copy (a pinned buffer on a side stream on CUDA) and queues it; daemon
+    threads upload it. One tensor-parallel rank uploads; the server's
+    first-writer-wins makes a duplicate upload harmless (it is answered 200 and
+    stores nothing).
 """
 
 from __future__ import annotations
@@ -37,12 +49,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import vllm.distributed.ec_transfer.ec_connector.base as vllm_ec_base
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
@@ -54,14 +66,35 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 import ec_cache
+from ec_cache._buffers import BufferPool
+from ec_cache._tensors import DTYPES
 from ec_cache._vllm.config import ECCacheConnectorConfig, check_model_namespace
+from ec_cache._vllm.existence import Existence
+from ec_cache._vllm.planner import PrefetchOrder, PrefetchPlanner, PrefetchStatus
+from ec_cache._vllm.prefetch import Prefetcher, check_shape, fetch_until
 from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
 from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import (
+        ECConnectorWorkerMetadata as WorkerMetadataBase,
+    )
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
+else:
+    # vLLM before the worker -> scheduler channel has no such class: loads stay
+    # synchronous there (see ASYNC_LOAD_HOOKS).
+    WorkerMetadataBase = getattr(vllm_ec_base, "ECConnectorWorkerMetadata", object)
+
+# Whether this vLLM lets the connector defer a request and hear back from its
+# workers: the scheduler calls ensure_cache_available and update_connector_output,
+# the model runner build_connector_worker_meta (vLLM 0.32 and 0.33 do).
+ASYNC_LOAD_HOOKS = hasattr(vllm_ec_base, "ECConnectorWorkerMetadata") and all(
+    hasattr(ECConnectorBase, name)
+    for name in ("ensure_cache_available", "update_connector_output", "build_connector_worker_meta")
+)
 
 __all__ = [
     "ECCacheConnector",
@@ -69,10 +102,14 @@ __all__ = [
     "ECCacheConnectorMetadata",
     "ECCacheConnectorStats",
     "ECCacheLoad",
+    "ECCacheWorkerReport",
 ]
 
 # A child of vLLM's "vllm" logger, so that vLLM's logging configuration shows it.
 logger = logging.getLogger("vllm.ec_cache")
+
+# How long a step that runs nothing waits for an existence answer in flight.
+_IDLE_STEP_WAIT_S = 0.001
 
 
 def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> tuple[str, str]:
@@ -131,7 +168,8 @@ def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> t
 
 @dataclass
 class ECCacheLoad:
-    """One encoder output for the worker to fetch in this step."""
+    """One encoder output for the worker to put into ``encoder_cache`` in this step
+    (from its prefetch in host memory, else fetched there and then)."""
 
     mm_hash: str  # vLLM's identifier: the encoder_cache key
     key: str  # the {hash} path part (cache_key(mm_hash))
@@ -143,7 +181,8 @@ class ECCacheLoad:
 
 @dataclass
 class ECCacheConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc,unused-ignore]  # Any without vLLM
-    """Scheduler -> worker: the items to load in this step.
+    """Scheduler -> worker: the items to load in this step, the entries to prefetch
+    and the prefetches to release (order ids).
 
     ``scheduled_encoder_inputs`` is the very dict of this step's ``SchedulerOutput``
     (pickling keeps the identity when vLLM ships the output to a worker process), so
@@ -152,14 +191,41 @@ class ECCacheConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc,unused
 
     loads: list[ECCacheLoad] = field(default_factory=list)
     scheduled_encoder_inputs: dict[str, list[int]] | None = None
+    prefetch: list[PrefetchOrder] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ECCacheWorkerReport(WorkerMetadataBase):  # type: ignore[misc,unused-ignore]  # Any without vLLM
+    """Worker -> scheduler, every step in ``load_mode: async``: the prefetch orders
+    held in host memory, those that failed since the previous report, and the bytes
+    of host memory taken."""
+
+    ready: frozenset[int] = frozenset()
+    failed: frozenset[int] = frozenset()
+    held_bytes: int = 0
+
+    def aggregate(self, other: WorkerMetadataBase) -> ECCacheWorkerReport:
+        """Tensor-parallel ranks merged: an order is ready only where every rank
+        holds it, failed where any rank failed it."""
+        assert isinstance(other, ECCacheWorkerReport)
+        return ECCacheWorkerReport(
+            ready=self.ready & other.ready,
+            failed=self.failed | other.failed,
+            held_bytes=self.held_bytes + other.held_bytes,
+        )
 
 
 _AVERAGES = {
     "exists_avg_ms": ("exists_seconds", "exists_requests", 1000.0),
+    "deferred_avg_ms": ("deferred_seconds", "deferred_requests", 1000.0),
     "load_avg_ms": ("load_seconds", "load_steps", 1000.0),
+    "prefetch_fetch_avg_ms": ("prefetch_fetch_seconds", "prefetch_fetched", 1000.0),
     "save_avg_ms": ("save_seconds", "save_uploads", 1000.0),
     "save_queue_avg_ms": ("save_queue_seconds", "save_uploads", 1000.0),
 }
+# Current values rather than counts: the latest one wins when stats are merged.
+_GAUGES = frozenset({"prefetch_bytes_held"})
 
 
 @dataclass
@@ -169,10 +235,15 @@ class ECCacheConnectorStats(ECConnectorStats):  # type: ignore[misc,unused-ignor
     Keys (all optional): ``hits``, ``hits_local`` (answered from the LRU), ``misses``,
     ``misses_outage`` (answered "miss" because the server failed or the breaker was
     open), ``exists_requests``/``exists_seconds``/``exists_failed``, ``breaker_opened``,
-    ``load_items``/``load_bytes``/``load_seconds``/``load_steps``/``load_failed``/
-    ``load_recomputed``/``load_retries``, ``save_enqueued``/``save_created``/
-    ``save_present``/``save_bytes``/``save_seconds``/``save_failed``/``save_dropped``/
-    ``save_dropped_bytes``/``save_skipped_*``.
+    ``deferred_requests``/``deferred_seconds``, ``prefetch_started``/``prefetch_ready``/
+    ``prefetch_failed``/``prefetch_expired``/``prefetch_released``/``prefetch_sync``
+    and the gauge ``prefetch_bytes_held`` (scheduler), ``prefetch_fetched``/
+    ``prefetch_fetch_bytes``/``prefetch_fetch_seconds``/``prefetch_fetch_failed``/
+    ``prefetch_dropped``/``prefetch_budget_waits``/``prefetch_held_expired`` (workers),
+    ``load_items``/``load_prefetched``/``load_bytes``/``load_seconds``/``load_steps``/
+    ``load_failed``/``load_recomputed``/``load_retries``, ``save_enqueued``/
+    ``save_created``/``save_present``/``save_bytes``/``save_seconds``/``save_failed``/
+    ``save_dropped``/``save_dropped_bytes``/``save_skipped_*``.
     """
 
     def reset(self) -> None:
@@ -180,7 +251,9 @@ class ECCacheConnectorStats(ECConnectorStats):  # type: ignore[misc,unused-ignor
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
         for name, value in other.data.items():
-            if isinstance(value, int | float):
+            if name in _GAUGES:
+                self.data[name] = value
+            elif isinstance(value, int | float):
                 self.data[name] = self.data.get(name, 0) + value
         return self
 
@@ -205,7 +278,8 @@ class ECCacheConnectorStats(ECConnectorStats):  # type: ignore[misc,unused-ignor
 
 
 class ECCachePromMetrics(ECConnectorPromMetrics):  # type: ignore[misc,unused-ignore]  # Any without vLLM
-    """Prometheus counters ``vllm:ec_cache_<name>_total`` for the numeric stats."""
+    """Prometheus counters ``vllm:ec_cache_<name>_total`` for the numeric stats, and
+    the gauge ``vllm:ec_cache_prefetch_bytes_held``."""
 
     _COUNTERS: ClassVar[dict[str, str]] = {
         "hits": "Encoder outputs the scheduler found in ec-cache.",
@@ -216,6 +290,14 @@ class ECCachePromMetrics(ECConnectorPromMetrics):  # type: ignore[misc,unused-ig
         "load_bytes": "Bytes of encoder outputs loaded from ec-cache.",
         "load_failed": "Encoder outputs that could not be loaded.",
         "load_recomputed": "Failed loads recomputed by the encoder in the same step.",
+        "load_prefetched": "Encoder outputs copied to the device from a prefetch.",
+        "deferred_requests": "Requests deferred for an existence answer or a prefetch.",
+        "deferred_seconds": "Seconds requests were deferred, summed.",
+        "prefetch_started": "Entries the workers were asked to prefetch.",
+        "prefetch_ready": "Prefetches every worker rank held in time.",
+        "prefetch_failed": "Prefetches that failed or came too late (computed instead).",
+        "prefetch_released": "Prefetches released unused (request finished, aborted, preempted).",
+        "prefetch_sync": "Items loaded synchronously because the engine was otherwise idle.",
         "save_created": "Encoder outputs stored in ec-cache.",
         "save_bytes": "Bytes of encoder outputs stored in ec-cache.",
         "save_present": "Uploads answered 'already present'.",
@@ -239,12 +321,25 @@ class ECCachePromMetrics(ECConnectorPromMetrics):  # type: ignore[misc,unused-ig
             self._metrics[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        gauge_cls: Any = self._gauge_cls  # vLLM's Gauge (or its multiprocess wrapper)
+        gauge = gauge_cls(
+            name="vllm:ec_cache_prefetch_bytes_held",
+            documentation="Bytes of host memory the workers hold for prefetched entries.",
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        self._bytes_held: dict[int, Any] = {
+            idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, per_engine in self._metrics.items():
             value = transfer_stats_data.get(name)
             if isinstance(value, int | float) and value > 0 and engine_idx in per_engine:
                 per_engine[engine_idx].inc(value)
+        held = transfer_stats_data.get("prefetch_bytes_held")
+        if isinstance(held, int | float) and engine_idx in self._bytes_held:
+            self._bytes_held[engine_idx].set(held)
 
 
 # ----------------------------------------------------------------------------------
@@ -305,6 +400,17 @@ def _stage_host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     into an encoder output once it is in ``encoder_cache`` (later prefill chunks read
     it from there), so holding it until the upload is done is safe."""
     return tensor.detach()
+
+
+def _num_embeds(request: Request, index: int) -> int | None:
+    """The rows vLLM expects for item ``index`` of ``request`` (None: unknown)."""
+    try:
+        return int(request.get_num_encoder_embeds(index))
+    except AttributeError:  # older vLLM
+        try:
+            return int(request.mm_features[index].mm_position.get_num_embeds())
+        except AttributeError:
+            return None
 
 
 def _tensor_parallel_rank() -> int:
@@ -372,23 +478,42 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         )
         self._closed = False
         cfg = self.config
+        self.async_loads = cfg.load_mode == "async" and ASYNC_LOAD_HOOKS
+        if cfg.load_mode == "async" and not ASYNC_LOAD_HOOKS:
+            logger.info(
+                "ec-cache: this vLLM cannot defer a request for its connector; loads "
+                "are synchronous (load_mode: sync)"
+            )
         # --- scheduler state
         self._client: ec_cache.Client | None = None
         self._breaker = CircuitBreaker(
             cfg.breaker_failures, cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s
         )
-        self._breaker_opened_seen = 0
-        self._hits: TTLCache[str, bool] = TTLCache(cfg.hit_cache_size, cfg.hit_ttl_s)
-        self._misses: TTLCache[str, bool] = TTLCache(
-            min(cfg.hit_cache_size, 8192) if cfg.miss_ttl_s > 0 else 0, cfg.miss_ttl_s
+        self._existence = Existence(
+            self._exists_many,
+            breaker=self._breaker,
+            counters=self._counters,
+            hits=TTLCache(cfg.hit_cache_size, cfg.hit_ttl_s),
+            misses=TTLCache(
+                min(cfg.hit_cache_size, 8192) if cfg.miss_ttl_s > 0 else 0, cfg.miss_ttl_s
+            ),
+            on_failure=lambda exc: self._warn_once(
+                "exists",
+                "ec-cache: existence check failed, answering 'miss' (%s); further "
+                "failures are counted in exists_failed",
+                exc,
+            ),
         )
-        self._step_answers: dict[str, bool] = {}  # identifier -> answer given this step
-        self._step_outage: set[str] = set()  # answered "miss" because of an outage
+        self._planner = PrefetchPlanner(timeout_s=cfg.load_timeout_s, counters=self._counters)
+        self._promised: set[str] = set()  # has_cache_item said True this step
+        self._resident: set[str] = set()  # in vLLM's encoder cache (alloc/free mirrored)
+        self._deferred_since: dict[str, float] = {}  # request id -> first deferral
         self._pending_loads: dict[str, ECCacheLoad] = {}
         # --- worker state
         self._load_client: ec_cache.Client | None = None
         self._upload_client: ec_cache.Client | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._prefetcher: Prefetcher | None = None
         self._uploader: BackgroundUploader | None = None
         self._cuda_stager: _CudaStager | None = None
         self._known_present: TTLCache[str, bool] = TTLCache(cfg.hit_cache_size, cfg.hit_ttl_s)
@@ -411,12 +536,13 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
                 raise_on_unavailable=True, concurrency=cfg.load_concurrency,
             )  # fmt: skip
         logger.info(
-            "ec-cache connector (%s, %s): %s, namespace %s/%s",
+            "ec-cache connector (%s, %s): %s, namespace %s/%s, %s loads",
             role.name.lower(),
             vllm_config.ec_transfer_config.ec_role if vllm_config.ec_transfer_config else "?",
             ",".join(cfg.urls),
             self.model,
             self.dtype,
+            "asynchronous" if self.async_loads else "synchronous",
         )
 
     # ------------------------------------------------------------------ common
@@ -427,7 +553,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         return self._counters.totals()
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:
-        self._note_breaker()
+        self._existence.note_breaker()
         data = self._counters.take()
         return ECCacheConnectorStats(data=data) if data else None
 
@@ -459,6 +585,9 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
             self._uploader.close(timeout=self.config.upload_timeout_s)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        self._existence.close()
         for client in (self._client, self._load_client, self._upload_client):
             if client is not None:
                 client.close()
@@ -484,99 +613,93 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
                 ", ".join(f"{k}={round(v, 3)}" for k, v in sorted(totals.items())),
             )
 
-    def _note_breaker(self) -> None:
-        opened = self._breaker.opened
-        if opened != self._breaker_opened_seen:
-            self._counters.add("breaker_opened", opened - self._breaker_opened_seen)
-            self._breaker_opened_seen = opened
-
     # --------------------------------------------------------------- scheduler
 
-    def _ask(self, identifiers: Sequence[str]) -> None:
-        """One ``_exists`` round trip for ``identifiers`` (not yet answered this
-        step); records every answer. On failure or with the breaker open, every one
-        of them is a miss for this step."""
-        todo = list(dict.fromkeys(i for i in identifiers if i not in self._step_answers))
-        if not todo:
-            return
-        answers: list[bool] | None = None
-        if self._client is not None and self._breaker.allow():
-            started = time.monotonic()
-            try:
-                answers = self._client.exists_many([cache_key(i) for i in todo])
-            except Exception as exc:
-                self._breaker.record_failure()
-                self._counters.add("exists_failed")
-                self._warn_once(
-                    "exists",
-                    "ec-cache: existence check failed, answering 'miss' (%s); further "
-                    "failures are counted in exists_failed",
-                    exc,
-                )
-            else:
-                self._breaker.record_success()
-            self._counters.add("exists_requests")
-            self._counters.add("exists_seconds", time.monotonic() - started)
-            self._note_breaker()
-        if answers is None or len(answers) != len(todo):
-            for identifier in todo:
-                self._step_answers[identifier] = False
-                self._step_outage.add(identifier)
-            return
-        for identifier, present in zip(todo, answers, strict=True):
-            present = bool(present)
-            self._step_answers[identifier] = present
-            if present:
-                self._hits.put(identifier, True)
-            else:
-                self._misses.put(identifier, True)
+    def _exists_many(self, identifiers: list[str]) -> list[bool]:
+        assert self._client is not None, "existence questions are the scheduler's"
+        return self._client.exists_many([cache_key(i) for i in identifiers])
 
-    def _known(self, identifier: str) -> bool | None:
-        """Answer from local state, without the network (``None``: unknown)."""
-        answer = self._step_answers.get(identifier)
-        if answer is not None:
-            return answer
-        if not self._breaker.healthy:
-            if self._breaker.state == "half-open":
-                return None  # the cooldown is over: let the next request probe
-            self._step_answers[identifier] = False
-            self._step_outage.add(identifier)
-            return False
-        if self._hits.get(identifier):
-            self._step_answers[identifier] = True
-            self._counters.add("hits_local")
-            return True
-        if self._misses.get(identifier):
-            self._step_answers[identifier] = False
-            return False
-        return None
+    def _still_needed(self, request: Request, num_computed_tokens: int) -> list[int]:
+        """Indexes of ``request``'s items not yet consumed by its prefill."""
+        return [
+            index
+            for index, feature in enumerate(getattr(request, "mm_features", None) or ())
+            if feature.mm_position.offset + feature.mm_position.length > num_computed_tokens
+        ]
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Called (vLLM 0.33) before the scheduler looks at a request's encoder
-        inputs. Batches the existence questions of all of its items that are still
-        to be computed into one request. Never defers the request (always True)."""
-        if self.is_consumer and self.role == ECConnectorRole.SCHEDULER:
-            unknown: list[str] = []
-            for feature in getattr(request, "mm_features", None) or ():
-                pos = feature.mm_position
-                if pos.offset + pos.length <= num_computed_tokens:
-                    continue  # already consumed by the prefill
-                if self._known(feature.identifier) is None:
-                    unknown.append(feature.identifier)
-            if unknown:
-                self._ask(unknown)
-        return True
+        """vLLM (0.32+) calls this before it looks at a request's encoder inputs;
+        ``False`` defers the request to a later step.
+
+        The items still to be computed are asked about in one ``_exists`` on a
+        background thread; the request waits for the answer, the scheduling loop at
+        most ``exists_wait_s``. With asynchronous loads, each item found is ordered
+        from the workers and the request waits until every rank holds it (or the
+        prefetch failed: then the encoder computes it). Requests without items in
+        ec-cache are never deferred beyond the existence answer."""
+        if not self.is_consumer or self.role != ECConnectorRole.SCHEDULER:
+            return True
+        needed = self._still_needed(request, num_computed_tokens)
+        if not needed:
+            return True
+        existence = self._existence
+        existence.collect()
+        features = request.mm_features
+        identifiers = [features[i].identifier for i in needed]
+        unknown = [i for i in identifiers if existence.known(i) is None]
+        if unknown:
+            existence.ask_in_background(unknown, self.config.exists_wait_s)
+        ready = True
+        for index in needed:
+            identifier = features[index].identifier
+            present = existence.known(identifier)
+            if present is None:
+                ready = False  # the answer is not in yet
+            elif present and self.async_loads and identifier not in self._resident:
+                status = self._planner.need(
+                    request.request_id,
+                    identifier,
+                    cache_key(identifier),
+                    _num_embeds(request, index),
+                    self._widths.get(getattr(features[index], "modality", "")),
+                )
+                ready &= status not in (PrefetchStatus.ORDERED, PrefetchStatus.SHIPPED)
+        self._note_deferral(request.request_id, ready)
+        return ready
+
+    def _note_deferral(self, request_id: str, ready: bool) -> None:
+        if not ready:
+            self._deferred_since.setdefault(request_id, time.monotonic())
+            return
+        since = self._deferred_since.pop(request_id, None)
+        if since is not None:
+            self._counters.add("deferred_requests")
+            self._counters.add("deferred_seconds", time.monotonic() - since)
 
     def has_cache_item(self, identifier: str) -> bool:
-        """Whether ``identifier``'s encoder output can be loaded from ec-cache."""
+        """Whether vLLM may load ``identifier``'s encoder output instead of computing
+        it in this step."""
         if not self.is_consumer:
             return False
-        answer = self._known(identifier)
-        if answer is None:
-            self._ask([identifier])
-            answer = self._step_answers.get(identifier, False)
+        existence = self._existence
+        existence.collect()
+        answer = existence.known(identifier)
+        if answer is None:  # a vLLM that did not call ensure_cache_available first
+            if existence.is_asking(identifier):
+                existence.wait_for(identifier)
+            else:
+                existence.ask([identifier])
+            answer = bool(existence.known(identifier))
+        if answer and self.async_loads and identifier not in self._resident:
+            # Not planned (no ensure_cache_available): a synchronous load.
+            status = self._planner.status(identifier)
+            answer = status in (None, PrefetchStatus.READY, PrefetchStatus.SYNC)
         self._counters.add("hits" if answer else "misses")
-        if not answer and identifier in self._step_outage:
+        if answer:
+            self._promised.add(identifier)
+            if existence.take_local(identifier):
+                self._counters.add("hits_local")
+        elif existence.is_outage(identifier):
             self._counters.add("misses_outage")
         return answer
 
@@ -586,32 +709,24 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         identifiers = [f.identifier for f in getattr(request, "mm_features", None) or ()]
         if not self.is_consumer:
             return [False] * len(identifiers)
-        unknown = [i for i in identifiers if self._known(i) is None]
-        if unknown:
-            self._ask(unknown)
+        self._existence.ask(i for i in identifiers if self._existence.known(i) is None)
         return [self.has_cache_item(i) for i in identifiers]
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """Queue a load for item ``index`` of ``request`` when this step answered
-        "present" for it (vLLM calls this for computed items too)."""
+        """vLLM allocated item ``index`` of ``request`` (to load or to compute): queue
+        its load when this step promised it."""
         if not self.is_consumer:
             return
         feature = request.mm_features[index]
         identifier = feature.identifier
-        if not self._step_answers.get(identifier) or identifier in self._pending_loads:
+        self._resident.add(identifier)
+        self._planner.allocated(identifier)
+        if identifier not in self._promised or identifier in self._pending_loads:
             return
-        num_embeds: int | None
-        try:
-            num_embeds = int(request.get_num_encoder_embeds(index))
-        except AttributeError:  # older vLLM
-            try:
-                num_embeds = int(feature.mm_position.get_num_embeds())
-            except AttributeError:
-                num_embeds = None
         self._pending_loads[identifier] = ECCacheLoad(
             mm_hash=identifier,
             key=cache_key(identifier),
-            num_embeds=num_embeds,
+            num_embeds=_num_embeds(request, index),
             width=self._widths.get(getattr(feature, "modality", "")),
             req_id=request.request_id,
             input_id=index,
@@ -619,34 +734,103 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         self._maybe_log_totals()
+        for mm_hash in getattr(scheduler_output, "free_encoder_mm_hashes", None) or ():
+            self._resident.discard(mm_hash)
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._planner.drop_request(request_id)
+        # The workers see this metadata only when the step runs the model.
+        runs = getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
+        if not runs:
+            # Only deferred requests: give the background question a moment, as
+            # vLLM's engine loop sleeps 1 ms after such a step (its offline loop
+            # does not, and would keep the GIL from the question's thread).
+            self._existence.wait_a_little(_IDLE_STEP_WAIT_S)
+        orders: list[PrefetchOrder] = []
+        releases: list[int] = []
+        if self.async_loads:
+            orders, releases, expired = self._planner.end_step(runs)
+            for mm_hash in expired:
+                self._existence.forget_hit(mm_hash)
         meta = ECCacheConnectorMetadata(
             loads=list(self._pending_loads.values()),
             scheduled_encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None),
+            prefetch=orders,
+            release=releases,
         )
         self._pending_loads = {}
-        self._step_answers = {}
-        self._step_outage = set()
+        self._promised = set()
+        self._existence.end_step()
         return meta
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        """The workers' merged report: prefetches now held by every rank, and those
+        that failed (misses from now on)."""
+        report = getattr(connector_output, "ec_connector_worker_meta", None)
+        if isinstance(report, ECCacheWorkerReport) and self.async_loads:
+            for mm_hash in self._planner.on_report(report.ready, report.failed, report.held_bytes):
+                self._existence.forget_hit(mm_hash)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Release the prefetches nobody else waits for (finished or aborted)."""
+        self._planner.drop_request(request.request_id)
+        self._deferred_since.pop(request.request_id, None)
+        return False, None
 
     # ------------------------------------------------------------------ worker
 
+    def _load_device(self) -> torch.device:
+        return torch.device(self.config.device or _default_load_device())
+
+    def _get_prefetcher(self) -> Prefetcher:
+        if self._prefetcher is None:
+            assert self._load_client is not None
+            on_gpu = self._load_device().type == "cuda"
+            self._prefetcher = Prefetcher(
+                self._load_client,
+                dtype=DTYPES[self.dtype][0],
+                budget_bytes=self.config.prefetch_buffer_bytes,
+                threads=self.config.load_concurrency,
+                timeout_s=self.config.load_timeout_s,
+                counters=self._counters,
+                # Pinned staging so that the copy to the GPU is asynchronous.
+                staging=BufferPool(self.config.prefetch_buffer_bytes, steps=16) if on_gpu else None,
+            )
+        return self._prefetcher
+
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Fetch this step's items concurrently onto this worker's device."""
+        """Pass the step's prefetch orders and releases to the background threads, then
+        put this step's items into ``encoder_cache``: from host memory when prefetched,
+        else fetched now, concurrently, onto this worker's device."""
         self._maybe_log_totals()
         meta = self._connector_metadata
-        if not isinstance(meta, ECCacheConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, ECCacheConnectorMetadata):
             return
+        if meta.release or meta.prefetch:
+            prefetcher = self._get_prefetcher()
+            for order_id in meta.release:
+                prefetcher.release(order_id)
+            for order in meta.prefetch:
+                prefetcher.submit(order)
         todo = [load for load in meta.loads if load.mm_hash not in encoder_cache]
         if not todo:
             return
-        device = torch.device(self.config.device or _default_load_device())
+        device = self._load_device()
         started = time.monotonic()
-        results = self._fetch_all(todo, device)
+        deadline = started + self.config.load_timeout_s
+        results: dict[str, tuple[torch.Tensor | None, str | None]] = {}
+        for load in todo:
+            entry = self._prefetcher.take(load.mm_hash, deadline) if self._prefetcher else None
+            if entry is not None:
+                results[load.mm_hash] = (entry.to_device(device), None)
+                self._counters.add("load_prefetched")
+        network = [load for load in todo if load.mm_hash not in results]
+        if network:
+            results.update(self._fetch_all(network, device, deadline))
         failed: list[tuple[ECCacheLoad, str]] = []
         for load in todo:
             tensor, error = results[load.mm_hash]
             if tensor is not None:
-                error = self._check_shape(load, tensor)
+                error = check_shape(tuple(tensor.shape), load.num_embeds, load.width)
             if error is not None or tensor is None:
                 failed.append((load, error or "not found"))
                 continue
@@ -662,19 +846,19 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
             self._counters.add("load_failed", len(failed))
             self._handle_load_failures(failed, meta)
 
-    def _check_shape(self, load: ECCacheLoad, tensor: torch.Tensor) -> str | None:
-        if tensor.dim() < 1:
-            return "a 0-d tensor"
-        if load.num_embeds is not None and tensor.shape[0] != load.num_embeds:
-            return f"shape {tuple(tensor.shape)}, but vLLM expects {load.num_embeds} rows"
-        if load.width is not None and tensor.dim() == 2 and tensor.shape[1] != load.width:
-            return f"shape {tuple(tensor.shape)}, but the encoder width is {load.width}"
-        return None
+    def build_connector_worker_meta(self) -> ECCacheWorkerReport | None:
+        """With asynchronous loads, every step: what this worker holds and what
+        failed. Every rank reports, so that the merge (``aggregate``) sees them all."""
+        if not (self.async_loads and self.is_consumer):
+            return None
+        if self._prefetcher is None:
+            return ECCacheWorkerReport()
+        report = self._prefetcher.report()
+        return ECCacheWorkerReport(report.ready, report.failed, report.held_bytes)
 
     def _fetch_all(
-        self, loads: list[ECCacheLoad], device: torch.device
+        self, loads: list[ECCacheLoad], device: torch.device, deadline: float
     ) -> dict[str, tuple[torch.Tensor | None, str | None]]:
-        deadline = time.monotonic() + self.config.load_timeout_s
         if len(loads) == 1:
             return {loads[0].mm_hash: self._fetch_one(loads[0], device, deadline)}
         if self._pool is None:
@@ -696,32 +880,10 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
     def _fetch_one(
         self, load: ECCacheLoad, device: torch.device, deadline: float
     ) -> tuple[torch.Tensor | None, str | None]:
-        """Get one entry, retrying transient failures (503, transport errors, a
-        corrupted body) until ``deadline``. A 404 is final."""
-        assert self._load_client is not None
-        delay = 0.05
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                tensor = self._load_client.get(load.key, device=device)
-            except (
-                ec_cache.UnavailableError,
-                ec_cache.TransportError,
-                ec_cache.IntegrityError,
-            ) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # 4xx and anything unexpected: not retried
-                return None, f"{type(exc).__name__}: {exc}"
-            else:
-                if tensor is None:
-                    return None, "not found (404): evicted or deleted since the scheduler asked"
-                return tensor, None
-            if time.monotonic() + delay >= deadline:
-                return None, f"{error} (after {attempt} attempts)"
-            self._counters.add("load_retries")
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        """Get one entry, retrying transient failures until ``deadline``."""
+        client = self._load_client
+        assert client is not None
+        return fetch_until(lambda: client.get(load.key, device=device), deadline, self._counters)
 
     def _handle_load_failures(
         self, failed: list[tuple[ECCacheLoad, str]], meta: ECCacheConnectorMetadata

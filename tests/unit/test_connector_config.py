@@ -57,6 +57,18 @@ def test_typed_values_from_strings_and_json() -> None:
     assert ECCacheConnectorConfig.from_extra_config({"urls": ["http://a"]}).urls == ("http://a",)
 
 
+def test_asynchronous_load_settings() -> None:
+    default = ECCacheConnectorConfig.from_extra_config({"url": "http://a"})
+    assert default.load_mode == "async" and default.exists_wait_s == 0.002
+    assert default.prefetch_buffer_bytes == 1 << 30
+    cfg = ECCacheConnectorConfig.from_extra_config(
+        {"url": "http://a", "load_mode": "sync", "prefetch_buffer_bytes": "256MiB",
+         "exists_wait_s": "0"}
+    )  # fmt: skip
+    assert cfg.load_mode == "sync" and cfg.exists_wait_s == 0
+    assert cfg.prefetch_buffer_bytes == 256 << 20
+
+
 def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EC_CACHE_URL", "http://env:8080")
     monkeypatch.setenv("EC_CACHE_TOKEN", "secret")
@@ -75,6 +87,9 @@ def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"url": "http://a", "encoder_revision": "a/b"}, "encoder_revision"),
         ({"url": "http://a", "save": "maybe"}, "save"),
         ({"url": "http://a", "exists_timeout_s": 0}, "exists_timeout_s"),
+        ({"url": "http://a", "exists_wait_s": -1}, "exists_wait_s"),
+        ({"url": "http://a", "load_mode": "lazy"}, "load_mode"),
+        ({"url": "http://a", "prefetch_buffer_bytes": "0"}, "prefetch_buffer_bytes"),
         ({"url": "http://a", "exist_timeout_s": 1}, "unknown key"),
         ({"url": "http://a", "urls": ["http://b"]}, "not both"),
         ({"url": " , "}, "urls"),

@@ -20,10 +20,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from ec_cache.vllm import ECCacheConnector
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,8 +187,11 @@ def make_vllm_config() -> Callable[..., Any]:
         *,
         model_config: Any = None,
         tensor_parallel_size: int = 1,
+        widths: dict[str, int] | None = None,
     ) -> Any:
         ec = TypeAdapter(ECTransferConfig).validate_json(cli_json(extra, role))
+        # What vLLM measures at an EC producer's start (encoder output width per modality).
+        ec.mm_encoder_output_widths = dict(widths or {})
         kwargs: dict[str, Any] = {
             "device_config": DeviceConfig(device="cpu"),
             "ec_transfer_config": ec,
@@ -197,3 +203,28 @@ def make_vllm_config() -> Callable[..., Any]:
         return VllmConfig(**kwargs)
 
     return make
+
+
+@pytest.fixture
+def connector(
+    make_vllm_config: Callable[..., Any],
+) -> Iterator[Callable[..., ECCacheConnector]]:
+    """Build connectors through vLLM's factory; shut them all down afterwards."""
+    from ec_cache.vllm import ECCacheConnector
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    made: list[ECCacheConnector] = []
+
+    def make(
+        role: ECConnectorRole, extra: dict[str, Any], ec_role: str = "ec_both", **kw: Any
+    ) -> ECCacheConnector:
+        config = make_vllm_config(extra, ec_role, **kw)
+        conn = ECConnectorFactory.create_connector(config, role)
+        assert isinstance(conn, ECCacheConnector)
+        made.append(conn)
+        return conn
+
+    yield make
+    for conn in made:
+        conn.shutdown()

@@ -16,106 +16,32 @@ pytest.importorskip("vllm", reason="tests/vllm run in .venv-vllm (scripts/setup-
 import dataclasses
 import pickle
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import ec_cache.vllm as ecv
-import safetensors.torch
 import torch
 from conftest import Server
 from ec_cache._vllm.state import cache_key
 from ec_cache.vllm import ECCacheConnector, ECCacheConnectorMetadata
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.sampling_params import SamplingParams
+from helpers import (
+    DTYPE,
+    SCHED,
+    WORKER,
+    delete_raw,
+    embeds,
+    get_raw,
+    make_request,
+    mm_hash,
+    ns,
+    put_raw,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
 
-SCHED = ECConnectorRole.SCHEDULER
-WORKER = ECConnectorRole.WORKER
-DTYPE = "bfloat16"
-
-
-def ns() -> str:
-    """A fresh model namespace per test (the session server is shared)."""
-    return f"test/vl-{uuid.uuid4().hex[:8]}"
-
-
-def mm_hash() -> str:
-    return uuid.uuid4().hex + uuid.uuid4().hex  # 64 hex chars, like vLLM's blake3
-
-
-def make_request(identifiers: list[str], *, rows: int = 16, req_id: str | None = None) -> Request:
-    """A vLLM request with one image placeholder of ``rows`` tokens per identifier."""
-    features = [
-        MultiModalFeatureSpec(
-            data=None,
-            modality="image",
-            identifier=ident,
-            mm_position=PlaceholderRange(offset=2 + i * (rows + 2), length=rows),
-        )
-        for i, ident in enumerate(identifiers)
-    ]
-    n = 4 + len(identifiers) * (rows + 2)
-    return Request(
-        req_id or f"req-{uuid.uuid4().hex[:6]}",
-        [0] * n,
-        SamplingParams(max_tokens=1),
-        None,
-        mm_features=features,
-    )
-
-
-def put_raw(server: Server, model: str, key: str, tensor: torch.Tensor) -> int:
-    """Store an entry with plain HTTP (not through the connector)."""
-    body = safetensors.torch.save({"t": tensor.contiguous()})
-    with server.http() as c:
-        r = c.put(f"/ec/{model}/{DTYPE}/{key}", content=body)
-    assert r.status_code in (200, 201), r.text
-    return int(r.status_code)
-
-
-def get_raw(server: Server, model: str, key: str) -> torch.Tensor | None:
-    with server.http() as c:
-        r = c.get(f"/ec/{model}/{DTYPE}/{key}")
-    if r.status_code == 404:
-        return None
-    assert r.status_code == 200, r.text
-    (tensor,) = safetensors.torch.load(r.content).values()
-    return tensor
-
-
-def delete_raw(server: Server, model: str, key: str) -> None:
-    with server.http() as c:
-        assert c.delete(f"/ec/{model}/{DTYPE}/{key}").status_code == 204
-
-
-def embeds(rows: int = 16, width: int = 32, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, width, generator=g).to(torch.bfloat16)
-
-
-@pytest.fixture
-def connector(
-    make_vllm_config: Callable[..., Any],
-) -> Iterator[Callable[..., ECCacheConnector]]:
-    """Build connectors through vLLM's factory; shut them all down afterwards."""
-    made: list[ECCacheConnector] = []
-
-    def make(
-        role: ECConnectorRole, extra: dict[str, Any], ec_role: str = "ec_both", **kw: Any
-    ) -> ECCacheConnector:
-        config = make_vllm_config(extra, ec_role, **kw)
-        conn = ECConnectorFactory.create_connector(config, role)
-        assert isinstance(conn, ECCacheConnector)
-        made.append(conn)
-        return conn
-
-    yield make
-    for conn in made:
-        conn.shutdown()
+# The synchronous load path of this module's tests; the scheduler waits for each
+# existence answer (the asynchronous path: test_async_loads.py).
+SYNC = {"load_mode": "sync", "exists_wait_s": 5}
 
 
 def step(sched: ECCacheConnector, requests: list[Request]) -> tuple[SchedulerOutput, Any]:
@@ -226,7 +152,7 @@ def test_one_round_trip_per_request_and_local_positives(
     a, b, c_ = mm_hash(), mm_hash(), mm_hash()
     put_raw(server, model, a, embeds())
     put_raw(server, model, b, embeds())
-    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE, **SYNC})
     req = make_request([a, b, c_])
     # vLLM calls ensure_cache_available before the per-item questions.
     assert sched.ensure_cache_available(req, 0) is True
@@ -243,7 +169,7 @@ def test_one_round_trip_per_request_and_local_positives(
     assert totals["hits_local"] == 2
 
     # Items already consumed by the prefill are not asked about.
-    fresh = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    fresh = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE, **SYNC})
     consumed = req.mm_features[1].mm_position
     fresh.ensure_cache_available(req, consumed.offset + consumed.length)
     assert fresh.counters()["exists_requests"] == 1
@@ -285,7 +211,7 @@ def test_breaker_probes_and_recovers(
     sched = connector(
         SCHED,
         {"url": f"http://127.0.0.1:{port}", "model": model, "dtype": DTYPE,
-         "breaker_failures": 1, "breaker_cooldown_s": 0.5},
+         "breaker_failures": 1, "breaker_cooldown_s": 0.5, **SYNC},
     )  # fmt: skip
     h = mm_hash()
     assert sched.has_cache_item(h) is False  # nothing listens: the breaker opens
@@ -337,7 +263,7 @@ def test_build_connector_meta_carries_the_loads(
     model = ns()
     hit, miss = mm_hash(), mm_hash()
     put_raw(server, model, hit, embeds(rows=16))
-    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE, **SYNC})
     req = make_request([miss, hit], rows=16, req_id="r-meta")
     out, meta = step(sched, [req])
     assert isinstance(meta, ECCacheConnectorMetadata)
@@ -363,7 +289,7 @@ def test_worker_saves_in_background_and_loads_equal_tensors(
     server: Server, connector: Callable[..., ECCacheConnector]
 ) -> None:
     model = ns()
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     producer = connector(WORKER, extra)
     outputs = {mm_hash(): embeds(rows=16, seed=i) for i in range(3)}
     encoder_cache = dict(outputs)
@@ -437,7 +363,7 @@ def test_failed_load_is_recomputed_in_the_same_step(
     server: Server, connector: Callable[..., ECCacheConnector]
 ) -> None:
     model = ns()
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     kept, lost = mm_hash(), mm_hash()
     put_raw(server, model, kept, embeds(seed=1))
     put_raw(server, model, lost, embeds(seed=2))
@@ -473,7 +399,7 @@ def test_vllm_model_runner_encodes_the_recomputed_item(
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     model = ns()
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     kept, lost, computed = mm_hash(), mm_hash(), mm_hash()
     put_raw(server, model, kept, embeds(seed=1))
     put_raw(server, model, lost, embeds(seed=2))
@@ -510,7 +436,7 @@ def test_failed_load_is_loud_when_it_cannot_be_recomputed(
         ({"on_load_failure": "raise"}, 1),
         ({}, 2),  # recomputing on one tensor-parallel rank would desync the ranks
     ):
-        full = {"url": server.url, "model": model, "dtype": DTYPE, **extra}
+        full = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC, **extra}
         sched = connector(SCHED, full, tensor_parallel_size=tp)
         worker = connector(WORKER, full, tensor_parallel_size=tp)
         out, _ = step(sched, [make_request([h])])
@@ -529,7 +455,7 @@ def test_wrong_shape_is_not_loaded(
     model = ns()
     h = mm_hash()
     put_raw(server, model, h, embeds(rows=8))  # same id, different content size
-    extra = {"url": server.url, "model": model, "dtype": DTYPE}
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     sched, worker = connector(SCHED, extra), connector(WORKER, extra)
     out, _ = step(sched, [make_request([h], rows=16, req_id="r-shape")])
     worker.bind_connector_metadata(out.ec_connector_metadata)
@@ -619,18 +545,33 @@ def test_stats_through_vllm_hooks(
     reduced = merged.reduce()
     assert reduced["hits"] == 2 and reduced["misses"] == 1 and reduced["hit_rate"] == 0.6667
     assert "exists_avg_ms" in reduced
+    # Prefetch figures of two later steps: counters add up, the gauge is the latest.
+    steps = [
+        {"deferred_requests": 1, "deferred_seconds": 0.2, "prefetch_started": 1,
+         "prefetch_bytes_held": 4096},
+        {"deferred_requests": 1, "deferred_seconds": 0.4, "prefetch_ready": 1,
+         "prefetch_bytes_held": 1024},
+    ]  # fmt: skip
+    for data in steps:
+        merged = merged.aggregate(type(stats)(data=data))
+    reduced = merged.reduce()
+    assert reduced["deferred_requests"] == 2 and reduced["deferred_avg_ms"] == 300.0
+    assert reduced["prefetch_bytes_held"] == 1024 and "deferred_seconds" not in reduced
 
     config = make_vllm_config(extra)
     logging_ = ECConnectorLogging(config.ec_transfer_config)
     logging_.observe(merged.data)
     lines: list[str] = []
     logging_.log(lambda fmt, *args: lines.append(fmt % args))  # type: ignore[no-untyped-call]
-    assert lines and "hit_rate=0.6667" in lines[0]
+    assert lines and "hit_rate=0.6667" in lines[0] and "deferred_avg_ms=300.0" in lines[0]
 
     prom = ECConnectorProm(config, ["engine"], {0: ["0"]})
     prom.observe(merged.data, 0)
-    value = REGISTRY.get_sample_value("vllm:ec_cache_hits_total", {"engine": "0"})
-    assert value == 2
+    labels = {"engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:ec_cache_hits_total", labels) == 2
+    assert REGISTRY.get_sample_value("vllm:ec_cache_deferred_requests_total", labels) == 2
+    assert REGISTRY.get_sample_value("vllm:ec_cache_prefetch_started_total", labels) == 1
+    assert REGISTRY.get_sample_value("vllm:ec_cache_prefetch_bytes_held", labels) == 1024
 
 
 # ---------------------------------------------------------- replicas and auth
@@ -640,7 +581,7 @@ def _save_then_load_all(
     urls: list[str], connector: Callable[..., ECCacheConnector], n: int = 12
 ) -> tuple[str, dict[str, torch.Tensor], ECCacheConnector, dict[str, torch.Tensor]]:
     model = ns()
-    extra = {"urls": urls, "model": model, "dtype": DTYPE}
+    extra = {"urls": urls, "model": model, "dtype": DTYPE, **SYNC}
     worker = connector(WORKER, extra)
     outputs = {mm_hash(): embeds(seed=i) for i in range(n)}
     for h in outputs:

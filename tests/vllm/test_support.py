@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import torch
+from ec_cache._vllm.planner import REPORT_GRACE_S, PrefetchPlanner, PrefetchStatus
 from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
 from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
 from ec_cache.vllm import ECCacheConnectorStats
@@ -141,3 +142,56 @@ def test_stats_reduce_and_aggregate() -> None:
     assert not merged.is_empty()
     merged.reset()
     assert merged.is_empty()
+
+
+def test_planner_ships_orders_and_ignores_stale_reports() -> None:
+    clock = Clock()
+    counters = Counters()
+    planner = PrefetchPlanner(timeout_s=2.0, counters=counters, clock=clock)
+    assert planner.need("r1", "x", "x", 16, None) is PrefetchStatus.ORDERED
+    assert planner.need("r2", "x", "x", 16, None) is PrefetchStatus.ORDERED  # one order
+    orders, releases, expired = planner.end_step(True)
+    assert [o.order_id for o in orders] == [1] and releases == [] and expired == set()
+    assert planner.status("x") is PrefetchStatus.SHIPPED
+    planner.drop_request("r1")
+    planner.drop_request("r2")  # nobody waits any more: released
+    assert planner.status("x") is None
+    assert planner.need("r3", "x", "x", 16, None) is PrefetchStatus.ORDERED
+    orders, releases, _ = planner.end_step(True)
+    assert [o.order_id for o in orders] == [2] and releases == [1]
+    # A late report about the released order does not make the new one ready.
+    planner.on_report(ready={1}, failed=set(), held_bytes=10)
+    assert planner.status("x") is PrefetchStatus.SHIPPED
+    planner.on_report(ready={2}, failed=set(), held_bytes=10)
+    assert planner.status("x") is PrefetchStatus.READY
+    assert planner.allocated("x") is PrefetchStatus.READY  # loaded: it leaves the planner
+    assert planner.end_step(True)[1] == []  # (the workers hand it over, no release)
+    c = counters.totals()
+    assert c["prefetch_started"] == 2 and c["prefetch_ready"] == 1
+    assert c["prefetch_released"] == 1 and c["prefetch_bytes_held"] == 10
+
+
+def test_planner_deadline_failures_and_idle_steps() -> None:
+    clock = Clock()
+    counters = Counters()
+    planner = PrefetchPlanner(timeout_s=2.0, counters=counters, clock=clock)
+    for name in ("late", "failed", "idle"):
+        planner.need(f"r-{name}", name, name, 16, 32)
+    orders, _, _ = planner.end_step(True)
+    by_name = {o.mm_hash: o.order_id for o in orders}
+    # A rank failed one: a miss, released on the ranks that hold it.
+    assert planner.on_report(ready={by_name["failed"]}, failed={by_name["failed"]},
+                             held_bytes=0) == {"failed"}  # fmt: skip
+    assert planner.status("failed") is PrefetchStatus.FAILED
+    # Past the workers' deadline plus the report's grace: given up, released.
+    clock.now += 2.0 + REPORT_GRACE_S
+    _, releases, expired = planner.end_step(True)
+    assert expired == {"late", "idle"}
+    assert sorted(releases) == sorted(by_name.values())
+    assert planner.status("late") is PrefetchStatus.FAILED
+    # A step that runs nothing ships nothing: what is in transit turns synchronous.
+    planner.need("r-new", "new", "new", 16, 32)
+    assert planner.end_step(False)[0] == []
+    assert planner.status("new") is PrefetchStatus.SYNC
+    c = counters.totals()
+    assert c["prefetch_sync"] == 1 and c["prefetch_expired"] == 2 and c["prefetch_failed"] == 3

@@ -83,11 +83,10 @@ def engine_python() -> Path:
     return ENGINE_PYTHON
 
 
-@pytest.fixture(scope="session")
-def tiny_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("model")
+def make_tiny_model(python: Path, root: Path) -> Path:
+    """The tiny random Qwen2-VL (testkit/qwen2vl.py) under ``root``."""
     subprocess.run(
-        [engine_python, "-m", "testkit.qwen2vl", root / "tiny-qwen2-vl"],
+        [python, "-m", "testkit.qwen2vl", root / "tiny-qwen2-vl"],
         cwd=ROOT,
         env=engine_env(root / "tmp"),
         check=True,
@@ -95,6 +94,36 @@ def tiny_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) ->
         timeout=300,
     )
     return root / "tiny-qwen2-vl"
+
+
+def run_engine_process(
+    python: Path, work: Path, spec: dict[str, Any], env_extra: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``engine_run`` on ``spec`` in a fresh process of ``python`` (its files in
+    ``work``); its outputs, plus its log under ``"log"``."""
+    spec_path, out_path, log_path = work / "spec.json", work / "out.json", work / "log"
+    spec_path.write_text(json.dumps(spec))
+    env = {**engine_env(work / "tmp"), **(env_extra or {})}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    with log_path.open("wb") as log:
+        proc = subprocess.run(
+            [python, "-m", "tests.vllm_engine.engine_run", spec_path, out_path],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
+    log_text = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, f"engine exited with {proc.returncode}:\n{log_text[-6000:]}"
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["log"] = log_text
+    return result
+
+
+@pytest.fixture(scope="session")
+def tiny_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(engine_python, tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="session")
@@ -108,34 +137,16 @@ def run_engine(
         prompts: list[dict[str, Any]] = PROMPTS,
         **spec: Any,
     ) -> dict[str, Any]:
-        work = tmp_path_factory.mktemp("engine")
-        spec_path, out_path, log_path = work / "spec.json", work / "out.json", work / "log"
-        spec_path.write_text(
-            json.dumps(
-                {
-                    "model": str(tiny_model),
-                    "ec_transfer_config": ec_transfer_config,
-                    "prompts": prompts,
-                    **spec,
-                }
-            )
+        return run_engine_process(
+            engine_python,
+            tmp_path_factory.mktemp("engine"),
+            {
+                "model": str(tiny_model),
+                "ec_transfer_config": ec_transfer_config,
+                "prompts": prompts,
+                **spec,
+            },
         )
-        env = engine_env(work / "tmp")
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-        with log_path.open("wb") as log:
-            proc = subprocess.run(
-                [engine_python, "-m", "tests.vllm_engine.engine_run", spec_path, out_path],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=600,
-            )
-        log_text = log_path.read_text(errors="replace")
-        assert proc.returncode == 0, f"engine exited with {proc.returncode}:\n{log_text[-6000:]}"
-        result: dict[str, Any] = json.loads(out_path.read_text())
-        result["log"] = log_text
-        return result
 
     return run
 

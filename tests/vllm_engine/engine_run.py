@@ -5,6 +5,12 @@ OUT receives, per prompt, the generated token ids and their logprobs, plus how o
 the vision encoder ran (counted by wrapping vLLM's own encoder module, so "the encoder
 was skipped" is a measurement) and how long ``generate`` took.
 
+With ``scenarios`` instead of ``prompts`` (see ``tests/vllm_engine/scenarios.py``) the
+engine is stepped by hand: requests arrive while others decode, some are aborted, and
+OUT receives per scenario each request's tokens with the time each one appeared, the
+duration of every ``Scheduler.schedule`` call, the encoder calls and the connectors'
+counters. Before each scenario its fault settings are posted to SPEC's ``proxy_url``.
+
 Prompt images are drawn from a seed, so every process sees the same pixels.
 """
 
@@ -69,6 +75,15 @@ def perturb_loads() -> None:
     ECCacheConnector.start_load_caches = start_load_caches  # type: ignore[method-assign]
 
 
+def completion_of(out: Any) -> dict[str, Any]:
+    completion = out.outputs[0]
+    logprobs = [
+        step[token].logprob
+        for step, token in zip(completion.logprobs or [], completion.token_ids, strict=True)
+    ]
+    return {"token_ids": list(completion.token_ids), "logprobs": logprobs}
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -83,12 +98,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"],
         dtype="float32",
         enforce_eager=True,
-        max_model_len=512,
+        max_model_len=spec.get("max_model_len", 512),
         max_num_seqs=8,
         seed=0,
         limit_mm_per_prompt={"image": 4},
         **kwargs,
     )
+    if "scenarios" in spec:
+        return run_scenarios(llm, probe, spec)
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1, seed=0
     )
@@ -97,19 +114,148 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.monotonic() - started
-    results = []
-    for out in outputs:
-        completion = out.outputs[0]
-        logprobs = [
-            step[token].logprob
-            for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-        ]
-        results.append({"token_ids": list(completion.token_ids), "logprobs": logprobs})
     return {
-        "outputs": results,
+        "outputs": [completion_of(out) for out in outputs],
         "encoder_calls": probe.calls,
         "encoder_rows": probe.rows,
         "generate_seconds": seconds,
+    }
+
+
+class Connectors:
+    """The engine's connectors (scheduler and, in this process, the worker) and the
+    durations of ``Scheduler.schedule``."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
+
+        core = llm.llm_engine.engine_core.engine_core  # VLLM_ENABLE_V1_MULTIPROCESSING=0
+        scheduler = core.scheduler
+        self.scheduler = scheduler.ec_connector
+        self.worker = get_ec_transfer() if has_ec_transfer() else None
+        self.schedule_seconds: list[float] = []
+        schedule = scheduler.schedule
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                self.schedule_seconds.append(time.perf_counter() - started)
+
+        scheduler.schedule = timed
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        return {
+            role: connector.counters() if connector is not None else {}
+            for role, connector in (("scheduler", self.scheduler), ("worker", self.worker))
+        }
+
+
+def run_scenarios(llm: Any, probe: EncoderProbe, spec: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    connectors = Connectors(llm)
+    results = []
+    for scenario in spec["scenarios"]:
+        if spec.get("proxy_url"):
+            httpx.post(f"{spec['proxy_url']}/_fault", json=scenario["proxy"]).raise_for_status()
+        results.append(run_scenario(llm, probe, connectors, scenario, spec.get("aborts", True)))
+    return {"scenarios": results}
+
+
+def run_scenario(
+    llm: Any, probe: EncoderProbe, connectors: Connectors, scenario: dict[str, Any], aborts: bool
+) -> dict[str, Any]:
+    """Step the engine through one scenario: each request arrives when its
+    ``after`` condition holds (another request has that many tokens); ``abort_after_s``
+    aborts it that long after its arrival (unless not ``aborts``); once every request
+    but the ``background`` one is done, the scenario waits ``settle_s`` (stepping) and
+    aborts the rest."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    before = connectors.counters()
+    encoder_calls = probe.calls
+    schedule_from = len(connectors.schedule_seconds)
+    started = time.monotonic()
+    waiting = list(scenario["requests"])
+    records: dict[str, dict[str, Any]] = {}
+    background = scenario.get("background")
+
+    def clock() -> float:
+        return time.monotonic() - started
+
+    def due(request: dict[str, Any]) -> bool:
+        after = request.get("after")
+        if after is None:
+            return True
+        record = records.get(after["request"])
+        return record is not None and len(record["token_times"]) >= after["tokens"]
+
+    def foreground_done() -> bool:
+        return not waiting and all(
+            r["finished_at"] is not None for name, r in records.items() if name != background
+        )
+
+    settle_until: float | None = None
+    steps: list[tuple[float, float]] = []  # (start, seconds) of each engine step
+    while True:
+        for request in [r for r in waiting if due(r)]:
+            waiting.remove(request)
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=request["max_tokens"],
+                ignore_eos=request.get("ignore_eos", False),
+                logprobs=1,
+                seed=0,
+            )
+            engine.add_request(request["id"], prompt(request["text"], request["images"]), params)
+            records[request["id"]] = {
+                "added_at": clock(),
+                "token_times": [],
+                "finished_at": None,
+                "aborted": False,
+                "abort_at": clock() + request["abort_after_s"]
+                if aborts and "abort_after_s" in request
+                else None,
+            }
+        for name, record in records.items():
+            if record["abort_at"] is not None and clock() >= record["abort_at"]:
+                record["abort_at"] = None
+                record["aborted"] = True
+                record["finished_at"] = clock()
+                engine.abort_request([name])
+        if foreground_done():
+            settle_until = settle_until or clock() + scenario.get("settle_s", 0.0)
+            if clock() >= settle_until:
+                break
+        step_started = clock()
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        now = clock()
+        steps.append((step_started, now - step_started))
+        for out in outputs:
+            record = records[out.request_id]
+            new = len(out.outputs[0].token_ids) - len(record["token_times"])
+            record["token_times"].extend([now] * new)
+            if out.finished and record["finished_at"] is None:
+                record["finished_at"] = now
+                record.update(completion_of(out))
+        if not outputs:
+            time.sleep(0.001)  # let the connector's threads run (as EngineCore's loop does)
+    leftover = [name for name, r in records.items() if r["finished_at"] is None]
+    if leftover:
+        engine.abort_request(leftover)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return {
+        "name": scenario["name"],
+        "requests": records,
+        "schedule_seconds": connectors.schedule_seconds[schedule_from:],
+        "steps": steps,
+        "encoder_calls": probe.calls - encoder_calls,
+        "counters_before": before,
+        "counters_after": connectors.counters(),
     }
 
 

@@ -2,7 +2,7 @@
 could not load, answers exactly as without a cache, and within the documented bounds.
 
 The cache is filled once by a real engine; each test serves a copy of it through a
-fault proxy (tests/vllm_engine/fault_proxy.py), so vLLM is told "present" and the
+fault proxy (tests/support/fault_proxy.py), so vLLM is told "present" and the
 failure lands in the worker's load, after scheduling.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.fault_proxy import FaultProxy
 from tests.support.server import ServerProcess, free_port
 from tests.vllm_engine.conftest import (
     UNIQUE_IMAGES,
@@ -24,7 +25,6 @@ from tests.vllm_engine.conftest import (
     count,
     request_counts,
 )
-from tests.vllm_engine.fault_proxy import FaultProxy
 
 LOAD_TIMEOUT_S = 2.0
 # Timeouts short enough for a test, as an operator would set them for a fast fallback.

@@ -67,6 +67,7 @@ class ECCacheConnectorConfig(BaseModel):
     token: str | None = None
     # scheduler
     exists_timeout_s: Timeout = 0.1
+    exists_wait_s: Seconds = 0.002
     hit_cache_size: Annotated[int, Field(ge=0)] = 65536
     hit_ttl_s: Seconds | None = 300.0
     miss_ttl_s: Seconds = 1.0
@@ -74,8 +75,10 @@ class ECCacheConnectorConfig(BaseModel):
     breaker_cooldown_s: Seconds = 1.0
     breaker_max_cooldown_s: Seconds = 30.0
     # worker: load
+    load_mode: Literal["async", "sync"] = "async"
     load_timeout_s: Timeout = 10.0
     load_concurrency: Count = 8
+    prefetch_buffer_bytes: ByteSize = 1 << 30
     on_load_failure: Literal["recompute", "raise"] = "recompute"
     device: str | None = None
     # worker: save

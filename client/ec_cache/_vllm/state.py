@@ -174,10 +174,11 @@ class CircuitBreaker:
 
 
 class Counters:
-    """Named integer/float counters, added to from several threads.
+    """Named integer/float counters, added to from several threads, and gauges.
 
     :meth:`take` returns what was added since the previous ``take`` (for vLLM's
     per-interval stats) while :meth:`totals` keeps growing for the process lifetime.
+    A gauge (:meth:`set`) is a current value: both report the latest one.
     """
 
     def __init__(self) -> None:
@@ -189,6 +190,11 @@ class Counters:
         with self._lock:
             self._interval[name] = self._interval.get(name, 0) + value
             self._totals[name] = self._totals.get(name, 0) + value
+
+    def set(self, name: str, value: float) -> None:
+        with self._lock:
+            self._interval[name] = value
+            self._totals[name] = value
 
     def take(self) -> dict[str, float]:
         with self._lock:

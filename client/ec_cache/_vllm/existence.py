@@ -1,0 +1,244 @@
+"""The scheduler's question "is this encoder output in ec-cache?" (no vLLM import).
+
+vLLM asks it inside its scheduling loop, where every millisecond spent waiting delays
+the next token of every running request. So answers are kept (positives in a bounded
+LRU, negatives for the step and ``miss_ttl_s``), a failing server is cut off by a
+circuit breaker, and on a vLLM that lets the connector defer a request the question
+goes to a background thread: the loop waits for it at most ``exists_wait_s`` and
+otherwise defers the request until the answer is in. That thread asks one question
+at a time, about everything queued meanwhile: a slow server gets one ``_exists`` in
+flight from each scheduler, however many requests arrive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache
+
+__all__ = ["Existence"]
+
+# One round trip's outcome: the answers (None when it failed), its error, its seconds.
+_Outcome = tuple[list[bool] | None, Exception | None, float]
+
+
+class Existence:
+    """Answers about items, asked with ``ask(identifiers) -> [present, ...]``.
+
+    Only the scheduler's thread calls the methods; the background thread runs the
+    round trips and hands their outcomes back under ``_cond``.
+    """
+
+    def __init__(
+        self,
+        ask: Callable[[list[str]], list[bool]],
+        *,
+        breaker: CircuitBreaker,
+        counters: Counters,
+        hits: TTLCache[str, bool],
+        misses: TTLCache[str, bool],
+        on_failure: Callable[[Exception], None],
+    ) -> None:
+        self._ask = ask
+        self._breaker = breaker
+        self._counters = counters
+        self._hits = hits
+        self._misses = misses
+        self._on_failure = on_failure
+        self._step: dict[str, bool] = {}  # answers of this step
+        # Misses that arrived in the background this step, kept one more step: the
+        # request that asked may only look again then (even with miss_ttl_s 0).
+        self._carry: dict[str, bool] = {}
+        self._outage: set[str] = set()  # answered "miss" because of an outage
+        self._carry_outage: set[str] = set()
+        self._local: set[str] = set()  # answered from the LRU this step
+        self._asking: set[str] = set()  # queued or in flight, not collected yet
+        self._breaker_opened_seen = 0
+        # Shared with the background thread:
+        self._cond = threading.Condition()
+        self._queued: dict[str, None] = {}  # to ask next, in order
+        self._outcomes: list[tuple[list[str], _Outcome]] = []  # not collected yet
+        self._answered: set[str] = set()  # the identifiers of those outcomes
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def known(self, identifier: str) -> bool | None:
+        """The answer from local state, without the network (``None``: unknown)."""
+        answer = self._step.get(identifier)
+        if answer is not None:
+            return answer
+        if not self._breaker.healthy:
+            if self._breaker.state == "half-open":
+                return None  # the cooldown is over: let the next question probe
+            self._step[identifier] = False
+            self._outage.add(identifier)
+            return False
+        if self._hits.get(identifier):
+            self._step[identifier] = True
+            self._local.add(identifier)
+            return True
+        if self._misses.get(identifier):
+            self._step[identifier] = False
+            return False
+        return None
+
+    def is_outage(self, identifier: str) -> bool:
+        """Whether this step's "miss" for ``identifier`` came from an outage."""
+        return identifier in self._outage
+
+    def take_local(self, identifier: str) -> bool:
+        """Whether this step's answer for ``identifier`` came from the LRU (once)."""
+        if identifier in self._local:
+            self._local.discard(identifier)
+            return True
+        return False
+
+    def is_asking(self, identifier: str) -> bool:
+        return identifier in self._asking
+
+    def ask(self, identifiers: Iterable[str]) -> None:
+        """One blocking round trip for those of ``identifiers`` not answered yet."""
+        todo = self._todo(identifiers)
+        if todo and self._may_ask(todo):
+            self._apply(todo, self._round_trip(todo), carry=False)
+
+    def ask_in_background(self, identifiers: Iterable[str], wait_s: float) -> None:
+        """Queue those of ``identifiers`` neither answered nor asked yet for the
+        background thread, and wait for their answer at most ``wait_s`` seconds."""
+        todo = self._todo(identifiers)
+        if not todo or not self._may_ask(todo):
+            return
+        self._asking.update(todo)
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            self._queued.update(dict.fromkeys(todo))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ec-cache-exists", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+            while not self._answered.issuperset(todo) and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        self.collect()
+
+    def wait_for(self, identifier: str) -> None:
+        """Block until the question about ``identifier`` is answered (each round
+        trip is bounded by the client's timeouts)."""
+        if identifier not in self._asking:
+            return
+        with self._cond:
+            while identifier not in self._answered and not self._closed:
+                self._cond.wait()
+        self.collect()
+
+    def wait_a_little(self, timeout: float) -> None:
+        """With questions out, give the background thread up to ``timeout`` seconds
+        (the scheduling loop spinning over deferred requests would starve it)."""
+        if not self._asking:
+            return
+        with self._cond:
+            if not self._outcomes:
+                self._cond.wait(timeout)
+        self.collect()
+
+    def collect(self) -> None:
+        """Take in the answers that came back."""
+        with self._cond:
+            outcomes, self._outcomes = self._outcomes, []
+            self._answered.clear()
+        for todo, outcome in outcomes:
+            self._asking.difference_update(todo)
+            self._apply(todo, outcome, carry=True)
+
+    def forget_hit(self, identifier: str) -> None:
+        """``identifier`` could not be loaded after all: a miss until ``miss_ttl_s``."""
+        self._hits.discard(identifier)
+        self._misses.put(identifier, True)
+        self._step[identifier] = False
+        self._carry.pop(identifier, None)
+
+    def end_step(self) -> None:
+        self._step, self._carry = self._carry, {}
+        self._outage, self._carry_outage = self._carry_outage, set()
+        self._local = set()
+
+    def note_breaker(self) -> None:
+        """Count the times the breaker opened since the previous call."""
+        opened = self._breaker.opened
+        if opened != self._breaker_opened_seen:
+            self._counters.add("breaker_opened", opened - self._breaker_opened_seen)
+            self._breaker_opened_seen = opened
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queued and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                todo, self._queued = list(self._queued), {}
+            outcome = self._round_trip(todo)
+            with self._cond:
+                self._outcomes.append((todo, outcome))
+                self._answered.update(todo)
+                self._cond.notify_all()
+
+    def _todo(self, identifiers: Iterable[str]) -> list[str]:
+        return list(
+            dict.fromkeys(i for i in identifiers if i not in self._step and i not in self._asking)
+        )
+
+    def _may_ask(self, todo: list[str]) -> bool:
+        """Whether the breaker lets a question through; if not, each item is an
+        outage miss for this step."""
+        if self._breaker.allow():
+            return True
+        self._record_outage(todo, carry=False)
+        return False
+
+    def _round_trip(self, todo: list[str]) -> _Outcome:
+        started = time.monotonic()
+        try:
+            return self._ask(todo), None, time.monotonic() - started
+        except Exception as exc:
+            return None, exc, time.monotonic() - started
+
+    def _apply(self, todo: list[str], outcome: _Outcome, *, carry: bool) -> None:
+        answers, error, seconds = outcome
+        if error is not None:
+            self._breaker.record_failure()
+            self._counters.add("exists_failed")
+            self._on_failure(error)
+        else:
+            self._breaker.record_success()
+        self._counters.add("exists_requests")
+        self._counters.add("exists_seconds", seconds)
+        self.note_breaker()
+        if answers is None or len(answers) != len(todo):
+            self._record_outage(todo, carry=carry)
+            return
+        for identifier, present in zip(todo, answers, strict=True):
+            present = bool(present)
+            self._step[identifier] = present
+            if carry and not present:  # (positives stay in the LRU)
+                self._carry[identifier] = present
+            (self._hits if present else self._misses).put(identifier, True)
+
+    def _record_outage(self, todo: list[str], *, carry: bool) -> None:
+        for identifier in todo:
+            self._step[identifier] = False
+            self._outage.add(identifier)
+            if carry:
+                self._carry[identifier] = False
+                self._carry_outage.add(identifier)

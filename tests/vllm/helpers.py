@@ -1,0 +1,77 @@
+"""Requests, entries and namespaces shared by the connector tests (vLLM 0.33's classes,
+a real server through plain HTTP)."""
+
+from __future__ import annotations
+
+import uuid
+
+import safetensors.torch
+import torch
+from conftest import Server
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
+SCHED = ECConnectorRole.SCHEDULER
+WORKER = ECConnectorRole.WORKER
+DTYPE = "bfloat16"
+
+
+def ns() -> str:
+    """A fresh model namespace per test (the session server is shared)."""
+    return f"test/vl-{uuid.uuid4().hex[:8]}"
+
+
+def mm_hash() -> str:
+    return uuid.uuid4().hex + uuid.uuid4().hex  # 64 hex chars, like vLLM's blake3
+
+
+def make_request(identifiers: list[str], *, rows: int = 16, req_id: str | None = None) -> Request:
+    """A vLLM request with one image placeholder of ``rows`` tokens per identifier."""
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=ident,
+            mm_position=PlaceholderRange(offset=2 + i * (rows + 2), length=rows),
+        )
+        for i, ident in enumerate(identifiers)
+    ]
+    n = 4 + len(identifiers) * (rows + 2)
+    return Request(
+        req_id or f"req-{uuid.uuid4().hex[:6]}",
+        [0] * n,
+        SamplingParams(max_tokens=1),
+        None,
+        mm_features=features,
+    )
+
+
+def put_raw(server: Server, model: str, key: str, tensor: torch.Tensor) -> int:
+    """Store an entry with plain HTTP (not through the connector)."""
+    body = safetensors.torch.save({"t": tensor.contiguous()})
+    with server.http() as c:
+        r = c.put(f"/ec/{model}/{DTYPE}/{key}", content=body)
+    assert r.status_code in (200, 201), r.text
+    return int(r.status_code)
+
+
+def get_raw(server: Server, model: str, key: str) -> torch.Tensor | None:
+    with server.http() as c:
+        r = c.get(f"/ec/{model}/{DTYPE}/{key}")
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 200, r.text
+    (tensor,) = safetensors.torch.load(r.content).values()
+    return tensor
+
+
+def delete_raw(server: Server, model: str, key: str) -> None:
+    with server.http() as c:
+        assert c.delete(f"/ec/{model}/{DTYPE}/{key}").status_code == 204
+
+
+def embeds(rows: int = 16, width: int = 32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=g).to(torch.bfloat16)
