@@ -45,8 +45,8 @@ from typing import Any
 import httpx
 
 from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
-from tests.support.server import ServerProcess, free_port
 from tests.support.fault_proxy import FaultProxy
+from tests.support.server import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = Path(
