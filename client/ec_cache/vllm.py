@@ -72,7 +72,7 @@ from ec_cache._vllm.config import ECCacheConnectorConfig, check_model_namespace
 from ec_cache._vllm.existence import Existence
 from ec_cache._vllm.planner import PrefetchOrder, PrefetchPlanner, PrefetchStatus
 from ec_cache._vllm.prefetch import Prefetcher, check_shape, fetch_until
-from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
+from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key, request_scoped
 from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
 
 if TYPE_CHECKING:
@@ -234,7 +234,8 @@ class ECCacheConnectorStats(ECConnectorStats):  # type: ignore[misc,unused-ignor
 
     Keys (all optional): ``hits``, ``hits_local`` (answered from the LRU), ``misses``,
     ``misses_outage`` (answered "miss" because the server failed or the breaker was
-    open), ``exists_requests``/``exists_seconds``/``exists_failed``, ``breaker_opened``,
+    open), ``misses_request_scoped`` (items vLLM named by request: never cached),
+    ``exists_requests``/``exists_seconds``/``exists_failed``, ``breaker_opened``,
     ``deferred_requests``/``deferred_seconds``, ``prefetch_started``/``prefetch_ready``/
     ``prefetch_failed``/``prefetch_expired``/``prefetch_released``/``prefetch_sync``
     and the gauge ``prefetch_bytes_held`` (scheduler), ``prefetch_fetched``/
@@ -285,6 +286,7 @@ class ECCachePromMetrics(ECConnectorPromMetrics):  # type: ignore[misc,unused-ig
         "hits": "Encoder outputs the scheduler found in ec-cache.",
         "misses": "Encoder outputs the scheduler did not find (computed locally).",
         "misses_outage": "Misses answered because ec-cache failed or was cut off.",
+        "misses_request_scoped": "Items vLLM named by request, not content: never cached.",
         "exists_failed": "Failed existence requests to ec-cache.",
         "load_items": "Encoder outputs loaded from ec-cache.",
         "load_bytes": "Bytes of encoder outputs loaded from ec-cache.",
@@ -523,6 +525,18 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         self._lock = threading.Lock()
         self.save_enabled = bool(self.is_producer if cfg.save is None else cfg.save)
 
+        mm_config = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+        cache_config = getattr(vllm_config, "cache_config", None)
+        if (
+            getattr(mm_config, "mm_processor_cache_gb", None) == 0
+            and cache_config is not None
+            and not getattr(cache_config, "enable_prefix_caching", True)
+        ):
+            logger.warning(
+                "ec-cache: with --mm-processor-cache-gb 0 and prefix caching off, vLLM "
+                "names multimodal items by request, not by content; items without "
+                "multi_modal_uuids are neither loaded from nor saved to ec-cache"
+            )
         if role == ECConnectorRole.SCHEDULER:
             self._client = _make_client(
                 cfg, self.model, self.dtype,
@@ -620,11 +634,12 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         return self._client.exists_many([cache_key(i) for i in identifiers])
 
     def _still_needed(self, request: Request, num_computed_tokens: int) -> list[int]:
-        """Indexes of ``request``'s items not yet consumed by its prefill."""
+        """Indexes of ``request``'s cacheable items not yet consumed by its prefill."""
         return [
             index
             for index, feature in enumerate(getattr(request, "mm_features", None) or ())
             if feature.mm_position.offset + feature.mm_position.length > num_computed_tokens
+            and not request_scoped(feature.identifier)
         ]
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
@@ -681,6 +696,9 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         it in this step."""
         if not self.is_consumer:
             return False
+        if request_scoped(identifier):
+            self._counters.add("misses_request_scoped")
+            return False
         existence = self._existence
         existence.collect()
         answer = existence.known(identifier)
@@ -709,7 +727,9 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         identifiers = [f.identifier for f in getattr(request, "mm_features", None) or ()]
         if not self.is_consumer:
             return [False] * len(identifiers)
-        self._existence.ask(i for i in identifiers if self._existence.known(i) is None)
+        self._existence.ask(
+            i for i in identifiers if not request_scoped(i) and self._existence.known(i) is None
+        )
         return [self.has_cache_item(i) for i in identifiers]
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
@@ -937,6 +957,9 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
             _tensor_parallel_rank() != 0 or _prefill_context_parallel_rank() != 0
         ):
             self._counters.add("save_skipped_rank")
+            return
+        if request_scoped(mm_hash):
+            self._counters.add("save_skipped_request_scoped")
             return
         key = cache_key(mm_hash)
         if self._known_present.get(key):

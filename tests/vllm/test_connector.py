@@ -516,6 +516,29 @@ def test_consumer_only_worker_does_not_save(
     assert worker.flush(5) and worker.counters() == {}
 
 
+def test_request_scoped_names_are_never_cached(
+    server: Server, connector: Callable[..., ECCacheConnector]
+) -> None:
+    """vLLM with both its multimodal processor cache and prefix caching off names items
+    ``renderer0-mm-{n}-image-{i}`` (by request, counted from 1 by every fresh server):
+    even an entry stored under such a name (another image, another server) is never
+    loaded, and such items are neither asked about nor saved."""
+    model = ns()
+    scoped = "renderer0-mm-1-image-0"
+    put_raw(server, model, scoped, embeds())
+    sched = connector(SCHED, {"url": server.url, "model": model, "dtype": DTYPE})
+    req = make_request([scoped])
+    assert sched.ensure_cache_available(req, 0) is True  # never deferred for it
+    assert sched.has_cache_item(scoped) is False
+    assert sched.counters() == {"misses_request_scoped": 1}  # no exists request made
+    worker = connector(WORKER, {"url": server.url, "model": model, "dtype": DTYPE})
+    worker.save_caches({scoped: embeds()}, scoped)
+    assert worker.flush(5) and worker.counters() == {"save_skipped_request_scoped": 1}
+    # A content hash or a user's own id of a similar look is cached as usual.
+    assert sched.has_cache_item("renderer0-mm-1-image-0x") is False
+    assert sched.counters()["exists_requests"] == 1
+
+
 # ---------------------------------------------------------------------- stats
 
 
