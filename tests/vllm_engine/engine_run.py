@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 IMAGE_SIDE = 84  # pixels; the tiny model's processor makes 9 encoder tokens of it
+#: The longest a scenario waits past its settle_s for its settle_on counter to move.
+SETTLE_ON_MAX_S = 20.0
 
 
 def image(seed: int) -> Any:
@@ -170,8 +172,9 @@ def run_scenario(
     """Step the engine through one scenario: each request arrives when its
     ``after`` condition holds (another request has that many tokens); ``abort_after_s``
     aborts it that long after its arrival (unless not ``aborts``); once every request
-    but the ``background`` one is done, the scenario waits ``settle_s`` (stepping) and
-    aborts the rest."""
+    but the ``background`` one is done, the scenario waits ``settle_s`` (stepping), and
+    with ``settle_on`` until that connector counter moved and two steps ran after it
+    (at most ``SETTLE_ON_MAX_S`` more), then aborts the rest."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -199,6 +202,8 @@ def run_scenario(
         )
 
     settle_until: float | None = None
+    settle_on = scenario.get("settle_on")  # [role, counter]: settle once it moved
+    moved_at: int | None = None  # the step count when it did
     steps: list[tuple[float, float]] = []  # (start, seconds) of each engine step
     while True:
         for request in [r for r in waiting if due(r)]:
@@ -228,7 +233,13 @@ def run_scenario(
                 engine.abort_request([name])
         if foreground_done():
             settle_until = settle_until or clock() + scenario.get("settle_s", 0.0)
-            if clock() >= settle_until:
+            if settle_on is not None and moved_at is None:
+                role, counter = settle_on
+                if connectors.counters()[role].get(counter, 0) > before[role].get(counter, 0):
+                    moved_at = len(steps)
+            # A worker's count reaches the scheduler with its report in a later step.
+            moved = settle_on is None or (moved_at is not None and len(steps) >= moved_at + 2)
+            if clock() >= settle_until and (moved or clock() >= settle_until + SETTLE_ON_MAX_S):
                 break
         step_started = clock()
         outputs = engine.step() if engine.has_unfinished_requests() else []
