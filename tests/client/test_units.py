@@ -19,7 +19,8 @@ import torch
 from ec_cache import _crc
 from ec_cache._buffers import BufferPool
 from ec_cache._config import Limits, Retries, Timeouts
-from ec_cache._core import Receiver, encode_put
+from ec_cache._put_body import encode_put
+from ec_cache._receiver import Receiver
 from ec_cache._routing import Router
 from ec_cache._tensors import (
     DTYPES,

@@ -26,8 +26,7 @@ from typing import Protocol, TypeVar
 import torch
 
 import ec_cache
-from ec_cache._buffers import BufferPool, PooledBuffer
-from ec_cache._core import typed_view
+from ec_cache._buffers import BufferPool, PooledBuffer, typed_view
 from ec_cache._cuda import copy_to_device
 from ec_cache._tensors import EntryInfo
 from ec_cache._vllm.planner import PrefetchOrder
