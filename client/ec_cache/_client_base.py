@@ -20,7 +20,7 @@ from ._exceptions import UnavailableError
 from ._failures import RetryableStatus, error_for
 from ._receiver import Receiver
 from ._routing import Router
-from ._tensors import DTYPES, check_hash, check_model, parse_dtype
+from ._tensors import check_hash, check_model, parse_dtype
 
 if TYPE_CHECKING:
     from ._put_body import PutBody
@@ -87,10 +87,6 @@ class ClientBase:
     def own_transport(self) -> bool:
         """Whether the SDK's transport can serve every replica (``http://`` only)."""
         return all(u.startswith("http://") for u in self.router.urls)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
 
     @property
     def urls(self) -> list[str]:

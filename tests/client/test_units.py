@@ -458,8 +458,8 @@ def test_rendezvous_moves_only_the_removed_replicas_keys() -> None:
     urls = [f"http://h{i}:1" for i in range(5)]
     full, less = Router(urls), Router(urls[:-1])
     for i in range(2000):
-        before = full.primary("m", "f", str(i))
-        after = less.primary("m", "f", str(i))
+        before = full.order("m", "f", str(i))[0]
+        after = less.order("m", "f", str(i))[0]
         if before != urls[-1]:
             assert before == after
         else:

@@ -74,12 +74,6 @@ class BackgroundUploader:
         for thread in self._threads:
             thread.start()
 
-    @property
-    def pending(self) -> int:
-        """Jobs queued or being uploaded."""
-        with self._cond:
-            return self._pending_items
-
     def submit(self, job: UploadJob) -> bool:
         """Queue ``job``; ``False`` (and ``save_dropped`` counted) when the queue is
         full or closed. Never blocks."""
