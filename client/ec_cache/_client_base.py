@@ -122,6 +122,14 @@ class ClientBase:
             return RetryableStatus(error)
         return error
 
+    def _retry_delay(self, error: Exception, attempt: int, attempts: int) -> float | None:
+        """Seconds before the next try of a request whose try number ``attempt`` (of
+        ``attempts``) failed with ``error``; ``None``: give up. Transport errors and
+        the statuses of ``Retries.statuses`` are retried."""
+        if attempt >= attempts or not isinstance(error, httpx.TransportError | RetryableStatus):
+            return None
+        return self.retries.delay(attempt)
+
     def _is_miss(self, error: BaseException) -> bool:
         """Whether an error answer to a read counts as a miss (503 unless asked)."""
         return isinstance(error, UnavailableError) and not self.raise_on_unavailable

@@ -12,7 +12,7 @@ import httpx
 import torch
 
 from .._answers import entry_info, json_body
-from .._backends import Mapper, sleep
+from .._backends import Mapper
 from .._client_base import ClientBase, Device, Progress, default_headers, device_of
 from .._config import Limits, Retries, Timeouts
 from .._cookies import DiscardingCookieJar
@@ -23,6 +23,7 @@ from .._put_body import encode_put
 from .._receiver import Receiver, check_body_end
 from .._routes import direct_routes, log_response
 from .._tensors import EntryInfo, check_hashes
+from .retries import retried
 from .transport import Outgoing, ResponseBody, Transport
 
 __all__ = ["Client"]
@@ -369,24 +370,30 @@ class Client(ClientBase):
         return self._call(order, op)
 
     def _call(self, order: list[str], op: Callable[[str], T], *, resend: bool = True) -> T:
-        """Run ``op(url)`` over the replica order with failover and retries."""
+        """Run ``op(url)`` over the replica order with failover, retried as
+        ``Retries`` says (``resend=False``: only a refused connection is tried again,
+        on the next replica)."""
         attempts = self.retries.attempts if resend else 1
-        last: BaseException | None = None
-        last_url = order[0]
-        for attempt in range(attempts):
-            if attempt:
-                sleep(self.retries.delay(attempt))
+        tried = order[0]
+
+        def over_replicas() -> T:
+            nonlocal tried
+            refused: httpx.TransportError | None = None
             for url in order:
-                last_url = url
+                tried = url
                 try:
                     return op(url)
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    last = exc  # nothing was sent: the next replica, at once
-                    continue
-                except (httpx.TransportError, RetryableStatus) as exc:
-                    last = exc
-                    break
-        raise to_ec_error(last, last_url)
+                    refused = exc  # nothing was sent: the next replica, at once
+            assert refused is not None  # an order lists at least one replica
+            raise refused
+
+        try:
+            return retried(
+                over_replicas, lambda error, attempt: self._retry_delay(error, attempt, attempts)
+            )
+        except (httpx.TransportError, RetryableStatus) as exc:
+            raise to_ec_error(exc, tried) from None
 
     def _error(self, response: httpx.Response, url: str) -> BaseException:
         try:
