@@ -31,8 +31,8 @@ from ec_cache._config import backoff
 from ec_cache._cuda import copy_to_device
 from ec_cache._sync.retries import retried
 from ec_cache._tensors import EntryInfo
+from ec_cache._vllm.counters import Counters
 from ec_cache._vllm.planner import PrefetchOrder
-from ec_cache._vllm.state import Counters
 
 __all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "check_shape", "fetch_until"]
 

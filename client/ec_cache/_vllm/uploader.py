@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ec_cache._vllm.state import Counters
+from ec_cache._vllm.counters import Counters
 
 __all__ = ["BackgroundUploader", "UploadJob"]
 
