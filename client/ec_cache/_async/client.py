@@ -262,8 +262,9 @@ class AsyncClient(ClientBase):
         return await self._mapper.map(one, pairs)
 
     async def delete(self, hash: str) -> None:
-        """Remove ``hash`` from every replica (each one's disk, and S3). Replicas that
-        refuse connections are skipped; raises when none could be reached."""
+        """Remove ``hash`` from every replica (each one's disk, and S3 where it has an S3
+        tier). Replicas that refuse connections are skipped; raises when none could be
+        reached."""
         path = self._path(hash)
 
         async def op(url: str) -> None:
