@@ -2,7 +2,8 @@
 """Retrying, the one way the SDK does it: a call made again after each failure for as
 long as a policy answers a number of seconds to wait first. The clients' requests
 follow :class:`~ec_cache.Retries`; the connector's loads retry until their deadline
-(``ec_cache._vllm.prefetch.fetch_until``).
+(``ec_cache._vllm.prefetch.fetch_until``). The server's ``app/retries.py`` is the same
+loop (a separate distribution, so a separate copy).
 
 Written once, for asyncio, in ``ec_cache/_async/retries.py``; the blocking one in
 ``ec_cache/_sync/retries.py`` is generated from it.
