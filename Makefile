@@ -29,7 +29,7 @@ $(VENV)/.server: pyproject.toml $(LOCK)
 
 $(VENV)/.sdk: client/pyproject.toml $(VENV)/.server
 	$(PIP_TORCH)
-	$(PIP) -e './client[numpy]' safetensors
+	$(PIP) -e './client[numpy,vllm]' safetensors
 	touch $@
 
 # Test tools on top of the locked server: pip keeps the locked versions (a test checks).
@@ -43,8 +43,9 @@ $(VENV)/.test: pyproject.toml $(VENV)/.server $(VENV)/.sdk
 run: $(VENV)/.server
 	$(PY) -m app
 
-## sdk: the SDK and its CLI `ec-cache` into .venv, with numpy and safetensors (torch
-## pinned to 2.13.0; add TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU build)
+## sdk: the SDK and its CLI `ec-cache` into .venv, with numpy, safetensors and the vLLM
+## connector's own dependencies (bench/gpu.py runs it without vLLM) (torch pinned to
+## 2.13.0; add TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU build)
 sdk: $(VENV)/.sdk
 
 ## lock: re-resolve requirements.lock (the server's runtime tree) from pyproject.toml

@@ -29,7 +29,7 @@ import torch
 
 from ._tensors import tensor_memoryview
 
-__all__ = ["BufferPool", "PooledBuffer"]
+__all__ = ["BufferPool", "PooledBuffer", "typed_view"]
 
 _MIN_CAPACITY = 1 << 20
 
@@ -187,3 +187,12 @@ class BufferPool:
                 "allocated": self._allocated,
                 "reused": self._reused,
             }
+
+
+def typed_view(
+    raw: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """``raw[:nbytes]`` (uint8) seen as ``dtype`` of ``shape``, without copying."""
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw[:nbytes].view(dtype).view(shape)

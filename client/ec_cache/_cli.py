@@ -92,7 +92,8 @@ def _globals(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
         metavar="DTYPE",
         help="tensor dtype: "
         + ", ".join(DTYPES)
-        + " (default: $EC_CACHE_DTYPE; `put` defaults to the file's dtype)",
+        + " (default: $EC_CACHE_DTYPE; `put` takes the file's dtype, and refuses another"
+        " one unless --convert)",
     )
     g.add_argument(
         "--token", default=d(env("EC_CACHE_TOKEN")), help="bearer token (default: $EC_CACHE_TOKEN)"
@@ -165,11 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "put",
         "upload the single tensor of FILE (.safetensors, .pt/.pth, .npy) under "
-        "HASH; prints whether it was created or already present",
+        "HASH, in the file's dtype; prints whether it was created or already present",
     )
     p.add_argument("file", metavar="FILE")
     p.add_argument("hash")
-    p = add("rm", "delete entries from every replica (and S3); absent entries are fine")
+    p.add_argument(
+        "--convert",
+        action="store_true",
+        help="when --dtype differs from the file's dtype, convert the tensor to it "
+        "(without this flag such a put is refused)",
+    )
+    p = add(
+        "rm",
+        "delete entries from every replica (and from S3 where the servers have an S3 "
+        "tier); absent entries are fine",
+    )
     p.add_argument("hashes", nargs="+", metavar="HASH")
     p = add("exists", "check several hashes in one request per replica; exit 1 when any is absent")
     p.add_argument("hashes", nargs="+", metavar="HASH")
@@ -391,6 +402,13 @@ def cmd_put(args: argparse.Namespace) -> int:
     if file_dtype not in DTYPES:
         raise _Fail(EXIT_USAGE, f"{args.file}: dtype {file_dtype} is not stored by ec-cache")
     if args.dtype and args.dtype != file_dtype:
+        if not args.convert:
+            raise _Fail(
+                EXIT_USAGE,
+                f"{args.file} holds {file_dtype}, but --dtype (or $EC_CACHE_DTYPE) is "
+                f"{args.dtype}: add --convert to store it as {args.dtype}, or pass "
+                f"--dtype {file_dtype} to store it as it is",
+            )
         tensor = tensor.to(DTYPES[args.dtype][0])
     progress = _Progress(f"put {args.hash}", _progress_enabled(args))
     with _client(args, dtype=args.dtype or file_dtype) as client:

@@ -39,7 +39,8 @@ def add_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p = add(
         "purge",
         "remove every entry of --model (of --dtype, or of every dtype) from each replica's "
-        "disk and from S3; asks for confirmation unless --yes; shows progress",
+        "disk and, where the servers have an S3 tier, from S3; asks for confirmation "
+        "unless --yes; shows progress",
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.add_argument("--no-wait", action="store_true", help="start the purge and return at once")
@@ -190,7 +191,32 @@ def cmd_du(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _confirm(args: argparse.Namespace, http: httpx.Client, urls: list[str]) -> bool:
+def _s3_tiers(http: httpx.Client, urls: list[str]) -> dict[str, bool | None]:
+    """Whether each replica has an S3 tier, as its ``/stats`` says; ``None`` where it
+    does not say (``/stats`` refuses a token limited to some models)."""
+    tiers: dict[str, bool | None] = {}
+    for url in urls:
+        try:
+            response = http.get(url + "/stats")
+            known = response.status_code == 200
+            tiers[url] = bool(response.json()["s3_configured"]) if known else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            tiers[url] = None
+    return tiers
+
+
+def _s3_part(tiers: dict[str, bool | None]) -> str:
+    """What a purge removes from S3, for the confirmation: nothing on disk-only servers."""
+    if any(tiers.values()):
+        return ", and every object of it in S3"
+    if None in tiers.values():
+        return ", and every object of it in S3 if the servers have an S3 tier"
+    return ""
+
+
+def _confirm(
+    args: argparse.Namespace, http: httpx.Client, urls: list[str], tiers: dict[str, bool | None]
+) -> bool:
     entries = nbytes = 0
     for url in urls:
         for n in _namespaces(http, url, args.model):
@@ -200,7 +226,7 @@ def _confirm(args: argparse.Namespace, http: httpx.Client, urls: list[str]) -> b
     what = f"{args.model} ({args.dtype or 'every dtype'})"
     prompt = (
         f"Purge {what}: {entries} entries ({_size(nbytes)}) on the disks of {len(urls)} "
-        "replica(s), and every object of it in S3. This cannot be undone. Proceed? [y/N] "
+        f"replica(s){_s3_part(tiers)}. This cannot be undone. Proceed? [y/N] "
     )
     if not sys.stdin.isatty():
         print(prompt, file=sys.stderr)
@@ -211,18 +237,19 @@ def _confirm(args: argparse.Namespace, http: httpx.Client, urls: list[str]) -> b
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
-def _progress(jobs: dict[str, dict[str, Any]], started: float) -> str:
+def _progress(jobs: dict[str, dict[str, Any]], started: float, s3: bool) -> str:
     done = sum(1 for job in jobs.values() if job["state"] == "done")
     disk = sum(job["disk_entries"] for job in jobs.values())
-    s3 = sum(job["s3_objects"] for job in jobs.values())
+    s3_objects = sum(job["s3_objects"] for job in jobs.values())
     freed = sum(job["disk_bytes"] + job["s3_bytes"] for job in jobs.values())
     width = 20
     filled = width * done // max(len(jobs), 1)
     errors = {job["last_error"] for job in jobs.values() if job.get("last_error")}
     note = f"  retrying: {sorted(errors)[0]}" if errors else ""
+    objects = f"S3 {s3_objects} objects  " if s3 else ""
     return (
         f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{len(jobs)} replicas  "
-        f"disk {disk} entries  S3 {s3} objects  {_size(freed)}  "
+        f"disk {disk} entries  {objects}{_size(freed)}  "
         f"{time.monotonic() - started:.0f}s{note}"
     )
 
@@ -234,7 +261,9 @@ def cmd_purge(args: argparse.Namespace) -> int:
     urls = _urls(args)
     body = {"model": args.model, "dtype": args.dtype}
     with _http(args) as http:
-        if not args.yes and not _confirm(args, http, urls):
+        tiers = _s3_tiers(http, urls)
+        s3 = any(has is not False for has in tiers.values())
+        if not args.yes and not _confirm(args, http, urls, tiers):
             return EXIT_USAGE
         # Start on every replica first: each stops writes of the namespace at once.
         jobs = {
@@ -245,7 +274,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
         show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
         while not args.no_wait and any(job["state"] != "done" for job in jobs.values()):
             if show:
-                sys.stderr.write(_progress(jobs, started))
+                sys.stderr.write(_progress(jobs, started, s3))
                 sys.stderr.flush()
             time.sleep(POLL_SECONDS)
             for url, job in jobs.items():
@@ -255,15 +284,19 @@ def cmd_purge(args: argparse.Namespace) -> int:
                     )["purges"]
                     jobs[url] = next((j for j in listed if j["id"] == job["id"]), job)
         if show:
-            sys.stderr.write(_progress(jobs, started) + "\n")
+            sys.stderr.write(_progress(jobs, started, s3) + "\n")
     if args.json:
         print(json.dumps({"purges": jobs}))
     else:
         for url, job in jobs.items():
+            objects = (
+                f", {job['s3_objects']} S3 objects ({_size(job['s3_bytes'])})"
+                if tiers[url] is not False
+                else ""
+            )
             print(
                 f"{url}: {job['state']}: {job['disk_entries']} disk entries "
-                f"({_size(job['disk_bytes'])}), {job['s3_objects']} S3 objects "
-                f"({_size(job['s3_bytes'])})"
+                f"({_size(job['disk_bytes'])}){objects}"
             )
     return EXIT_OK
 

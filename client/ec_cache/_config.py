@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["Limits", "Retries", "Timeouts"]
+__all__ = ["Limits", "Retries", "Timeouts", "backoff"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,12 @@ class Timeouts:
 
     def to_httpx(self) -> httpx.Timeout:
         return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+
+
+def backoff(retry: int, base: float, cap: float) -> float:
+    """``base * 2**(retry - 1)``, at most ``cap``: the delay before retry number ``retry``
+    (from 1). The exponent stops at 30 (a float power overflows past 1023)."""
+    return min(cap, base * 2.0 ** min(retry - 1, 30))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,7 @@ class Retries:
     def delay(self, retry: int) -> float:
         """Seconds to sleep before retry number ``retry`` (1-based), with full jitter
         on the upper half."""
-        base = min(self.max_backoff, self.backoff * 2.0 ** (retry - 1))
+        base = backoff(retry, self.backoff, self.max_backoff)
         return base / 2 + random.random() * base / 2
 
 

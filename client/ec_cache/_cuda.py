@@ -19,6 +19,11 @@ Only these functions touch a GPU; they can only be exercised on a machine with o
   in the worker threads of ``Client.get_many``/``put_many``: a thread starts on device
   0's default stream, so without it their copies would not be ordered with the
   caller's work.
+* :class:`SideStreamStager` - the vLLM connector's uploads: a device-to-host copy on a
+  side stream into pinned memory, waited for by the upload thread, not the forward
+  pass.
+* :func:`wait_for_default_stream` - the vLLM connector's loads: the forward pass's
+  stream waits for the copies queued on the default stream.
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ import torch
 
 from ._buffers import BufferPool, PooledBuffer
 
-__all__ = ["SectionCopy", "caller_context", "copy_to_device", "stage_to_host"]
+__all__ = [
+    "SectionCopy",
+    "SideStreamStager",
+    "caller_context",
+    "copy_to_device",
+    "stage_to_host",
+    "wait_for_default_stream",
+]
 
 
 def stage_to_host(tensor: torch.Tensor, pool: BufferPool) -> PooledBuffer:
@@ -148,3 +160,47 @@ def caller_context() -> Callable[[], contextlib.AbstractContextManager[None]] | 
             yield
 
     return entered
+
+
+def wait_for_default_stream(device: torch.device) -> None:
+    """Make ``device``'s current stream wait for its default stream: the connector's
+    loads enqueue their host-to-device copies on the current stream of the loading
+    thread (the default stream), and vLLM's forward pass, on its own stream, must not
+    read the tensors before them."""
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        current.wait_stream(default)
+
+
+class SideStreamStager:
+    """Device-to-host copies for uploads that do not block the forward pass (the
+    connector's ``save_caches``).
+
+    The copy is queued on a side stream after the work already queued on the
+    forward stream (so it reads the finished encoder output) into a pinned buffer
+    from torch's caching host allocator; the tensor is marked as used by the side
+    stream so that its memory is not reused before the copy ran. The upload thread
+    waits for the returned event, not the forward thread.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def stage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A pinned host tensor that will hold ``tensor``'s data, and the call that
+        waits until it does."""
+        device = tensor.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        side = self._streams.get(index)
+        if side is None:
+            side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            self._streams[index] = side
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            host.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(side)
+        tensor.record_stream(side)
+        return host, event.synchronize

@@ -58,6 +58,3 @@ class Router:
     def orders(self, model: str, dtype: str, hashes: Sequence[str]) -> list[list[str]]:
         """:meth:`order` of each of ``hashes``."""
         return [self.order(model, dtype, hash) for hash in hashes]
-
-    def primary(self, model: str, dtype: str, hash: str) -> str:
-        return self.order(model, dtype, hash)[0]

@@ -12,7 +12,11 @@ vLLM's ``ECConnectorFactory`` imports this module and builds
 ``ECCacheConnector(vllm_config, role)`` once in the scheduler (role ``SCHEDULER``) and
 once in every worker (role ``WORKER``). See ``docs/vllm.md`` for the keys of
 ``ec_connector_extra_config``, what happens on misses and outages, and the tested vLLM
-versions. This is the only module of the SDK that imports vLLM.
+versions. This module holds the connector; its parts are in :mod:`ec_cache._vllm`
+(only ``messages``, ``stats`` and ``metrics`` there import vLLM, and only this module
+imports them). ``ECCacheConnectorConfig``, ``ECCacheConnectorMetadata``,
+``ECCacheConnectorStats``, ``ECCacheLoad`` and ``ECCacheWorkerReport`` are importable
+from here.
 
 Scheduler side
     vLLM calls ``ensure_cache_available(request, ...)`` before it looks at a
@@ -22,7 +26,8 @@ Scheduler side
     ``exists_wait_s`` (then the request waits, not the scheduling loop). Answers are
     kept: positives in a bounded LRU (entries are immutable), negatives for the step
     and ``miss_ttl_s``. Failures feed a circuit breaker; while it is open every
-    question is answered "miss" without touching the network.
+    question is answered "miss" without touching the network. See
+    ``ec_cache._vllm.existence``.
 
     With ``load_mode: async`` (the default where vLLM has the hooks) an item found
     in ec-cache is ordered from the workers through the step's metadata, and the
@@ -38,8 +43,9 @@ Worker side
     load without a prefetch (``load_mode: sync``, an idle engine) are fetched there,
     concurrently, straight to the worker's own device; each is checked for its row
     count before it goes into vLLM's ``encoder_cache``. ``save_caches`` only stages
-    a host copy (a pinned buffer on a side stream on CUDA) and queues it; daemon
-    threads upload it. One tensor-parallel rank uploads; the server's
+    a host copy (a pinned buffer on a side stream on CUDA:
+    ``ec_cache._cuda.SideStreamStager``) and queues it; daemon threads upload it
+    (``ec_cache._vllm.uploader``). One tensor-parallel rank uploads; the server's
     first-writer-wins makes a duplicate upload harmless (it is answered 200 and
     stores nothing).
 """
@@ -50,8 +56,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm.distributed.ec_transfer.ec_connector.base as vllm_ec_base
@@ -67,26 +72,26 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 
 import ec_cache
 from ec_cache._buffers import BufferPool
+from ec_cache._cuda import SideStreamStager, wait_for_default_stream
 from ec_cache._tensors import DTYPES
-from ec_cache._vllm.config import ECCacheConnectorConfig, check_model_namespace
+from ec_cache._vllm.breaker import CircuitBreaker
+from ec_cache._vllm.config import ECCacheConnectorConfig, resolve_namespace
+from ec_cache._vllm.counters import Counters
 from ec_cache._vllm.existence import Existence
+from ec_cache._vllm.keys import cache_key, request_scoped
+from ec_cache._vllm.messages import ECCacheConnectorMetadata, ECCacheLoad, ECCacheWorkerReport
+from ec_cache._vllm.metrics import ECCachePromMetrics
 from ec_cache._vllm.planner import PrefetchOrder, PrefetchPlanner, PrefetchStatus
 from ec_cache._vllm.prefetch import Prefetcher, check_shape, fetch_until
-from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key, request_scoped
+from ec_cache._vllm.stats import ECCacheConnectorStats
+from ec_cache._vllm.ttl_cache import TTLCache
 from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.ec_transfer.ec_connector.base import (
-        ECConnectorWorkerMetadata as WorkerMetadataBase,
-    )
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
-else:
-    # vLLM before the worker -> scheduler channel has no such class: loads stay
-    # synchronous there (see ASYNC_LOAD_HOOKS).
-    WorkerMetadataBase = getattr(vllm_ec_base, "ECConnectorWorkerMetadata", object)
 
 # Whether this vLLM lets the connector defer a request and hear back from its
 # workers: the scheduler calls ensure_cache_available and update_connector_output,
@@ -112,289 +117,12 @@ logger = logging.getLogger("vllm.ec_cache")
 _IDLE_STEP_WAIT_S = 0.001
 
 
-def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> tuple[str, str]:
-    """The ``(model, dtype)`` path parts for this deployment.
-
-    ``model``: the extra config's ``model`` if set, else the model config's ``model``
-    (a Hugging Face id such as ``Qwen/Qwen2.5-VL-7B-Instruct``), else its served
-    name; plus ``@{encoder_revision}`` when set. A local path (``/models/x``) is not a
-    namespace: set ``model`` then. ``dtype``: the extra config's ``dtype`` if set,
-    else the model config's dtype.
-    """
-    model_config = getattr(vllm_config, "model_config", None)
-    model = cfg.model
-    if model is None and model_config is not None:
-        candidates = [getattr(model_config, "model", None)]
-        served = getattr(model_config, "served_model_name", None)
-        candidates += served if isinstance(served, list) else [served]
-        for candidate in candidates:
-            if isinstance(candidate, str):
-                try:
-                    model = check_model_namespace(candidate)
-                    break
-                except ValueError:
-                    continue
-        if model is None:
-            raise ValueError(
-                f"ECCacheConnector: the model {getattr(model_config, 'model', None)!r} is "
-                "not usable as an ec-cache namespace (a local path?); set "
-                "ec_connector_extra_config.model, e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'"
-            )
-    if model is None:
-        raise ValueError("ECCacheConnector: no model config; set ec_connector_extra_config.model")
-    if cfg.encoder_revision:
-        model = f"{model}@{cfg.encoder_revision}"
-    check_model_namespace(model)
-
-    dtype = cfg.dtype
-    if dtype is None:
-        model_dtype = getattr(model_config, "dtype", None) if model_config else None
-        if isinstance(model_dtype, torch.dtype):
-            dtype = str(model_dtype).removeprefix("torch.")
-        elif isinstance(model_dtype, str) and model_dtype not in ("auto", ""):
-            dtype = model_dtype.removeprefix("torch.")
-        else:
-            raise ValueError(
-                "ECCacheConnector: the model's dtype is unknown; set "
-                "ec_connector_extra_config.dtype (e.g. 'bfloat16')"
-            )
-    return model, dtype
-
-
-# ----------------------------------------------------------------------------------
-# Metadata and stats
-# ----------------------------------------------------------------------------------
-
-
-@dataclass
-class ECCacheLoad:
-    """One encoder output for the worker to put into ``encoder_cache`` in this step
-    (from its prefetch in host memory, else fetched there and then)."""
-
-    mm_hash: str  # vLLM's identifier: the encoder_cache key
-    key: str  # the {hash} path part (cache_key(mm_hash))
-    num_embeds: int | None  # expected rows, when vLLM knows them
-    width: int | None  # expected hidden size, when vLLM measured it
-    req_id: str  # first request that needs it (to recompute on failure)
-    input_id: int
-
-
-@dataclass
-class ECCacheConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc,unused-ignore]  # Any without vLLM
-    """Scheduler -> worker: the items to load in this step, the entries to prefetch
-    and the prefetches to release (order ids).
-
-    ``scheduled_encoder_inputs`` is the very dict of this step's ``SchedulerOutput``
-    (pickling keeps the identity when vLLM ships the output to a worker process), so
-    that a worker whose load failed can add the item to this step's encoder work.
-    """
-
-    loads: list[ECCacheLoad] = field(default_factory=list)
-    scheduled_encoder_inputs: dict[str, list[int]] | None = None
-    prefetch: list[PrefetchOrder] = field(default_factory=list)
-    release: list[int] = field(default_factory=list)
-
-
-@dataclass
-class ECCacheWorkerReport(WorkerMetadataBase):  # type: ignore[misc,unused-ignore]  # Any without vLLM
-    """Worker -> scheduler, every step in ``load_mode: async``: the prefetch orders
-    held in host memory, those that failed since the previous report, and the bytes
-    of host memory taken."""
-
-    ready: frozenset[int] = frozenset()
-    failed: frozenset[int] = frozenset()
-    held_bytes: int = 0
-
-    def aggregate(self, other: WorkerMetadataBase) -> ECCacheWorkerReport:
-        """Tensor-parallel ranks merged: an order is ready only where every rank
-        holds it, failed where any rank failed it."""
-        assert isinstance(other, ECCacheWorkerReport)
-        return ECCacheWorkerReport(
-            ready=self.ready & other.ready,
-            failed=self.failed | other.failed,
-            held_bytes=self.held_bytes + other.held_bytes,
-        )
-
-
-_AVERAGES = {
-    "exists_avg_ms": ("exists_seconds", "exists_requests", 1000.0),
-    "deferred_avg_ms": ("deferred_seconds", "deferred_requests", 1000.0),
-    "load_avg_ms": ("load_seconds", "load_steps", 1000.0),
-    "prefetch_fetch_avg_ms": ("prefetch_fetch_seconds", "prefetch_fetched", 1000.0),
-    "save_avg_ms": ("save_seconds", "save_uploads", 1000.0),
-    "save_queue_avg_ms": ("save_queue_seconds", "save_uploads", 1000.0),
-}
-# Current values rather than counts: the latest one wins when stats are merged.
-_GAUGES = frozenset({"prefetch_bytes_held"})
-
-
-@dataclass
-class ECCacheConnectorStats(ECConnectorStats):  # type: ignore[misc,unused-ignore]  # Any without vLLM
-    """Counters of one interval; summed across workers and the scheduler by vLLM.
-
-    Keys (all optional): ``hits``, ``hits_local`` (answered from the LRU), ``misses``,
-    ``misses_outage`` (answered "miss" because the server failed or the breaker was
-    open), ``misses_request_scoped`` (items vLLM named by request: never cached),
-    ``exists_requests``/``exists_seconds``/``exists_failed``, ``breaker_opened``,
-    ``deferred_requests``/``deferred_seconds``, ``prefetch_started``/``prefetch_ready``/
-    ``prefetch_failed``/``prefetch_expired``/``prefetch_released``/``prefetch_sync``
-    and the gauge ``prefetch_bytes_held`` (scheduler), ``prefetch_fetched``/
-    ``prefetch_fetch_bytes``/``prefetch_fetch_seconds``/``prefetch_fetch_failed``/
-    ``prefetch_dropped``/``prefetch_budget_waits``/``prefetch_held_expired`` (workers),
-    ``load_items``/``load_prefetched``/``load_bytes``/``load_seconds``/``load_steps``/
-    ``load_failed``/``load_recomputed``/``load_retries``, ``save_enqueued``/
-    ``save_created``/``save_present``/``save_bytes``/``save_seconds``/``save_failed``/
-    ``save_dropped``/``save_dropped_bytes``/``save_skipped_*``.
-    """
-
-    def reset(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
-        for name, value in other.data.items():
-            if name in _GAUGES:
-                self.data[name] = value
-            elif isinstance(value, int | float):
-                self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {
-            k: (round(v, 6) if isinstance(v, float) else v)
-            for k, v in sorted(self.data.items())
-            if isinstance(v, int | float) and not k.endswith("_seconds")
-        }
-        data = dict(self.data)
-        data["save_uploads"] = data.get("save_created", 0) + data.get("save_present", 0)
-        for name, (total, count, scale) in _AVERAGES.items():
-            if data.get(count):
-                out[name] = round(data.get(total, 0) / data[count] * scale, 3)
-        asked = data.get("hits", 0) + data.get("misses", 0)
-        if asked:
-            out["hit_rate"] = round(data.get("hits", 0) / asked, 4)
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-class ECCachePromMetrics(ECConnectorPromMetrics):  # type: ignore[misc,unused-ignore]  # Any without vLLM
-    """Prometheus counters ``vllm:ec_cache_<name>_total`` for the numeric stats, and
-    the gauge ``vllm:ec_cache_prefetch_bytes_held``."""
-
-    _COUNTERS: ClassVar[dict[str, str]] = {
-        "hits": "Encoder outputs the scheduler found in ec-cache.",
-        "misses": "Encoder outputs the scheduler did not find (computed locally).",
-        "misses_outage": "Misses answered because ec-cache failed or was cut off.",
-        "misses_request_scoped": "Items vLLM named by request, not content: never cached.",
-        "exists_failed": "Failed existence requests to ec-cache.",
-        "load_items": "Encoder outputs loaded from ec-cache.",
-        "load_bytes": "Bytes of encoder outputs loaded from ec-cache.",
-        "load_failed": "Encoder outputs that could not be loaded.",
-        "load_recomputed": "Failed loads recomputed by the encoder in the same step.",
-        "load_prefetched": "Encoder outputs copied to the device from a prefetch.",
-        "deferred_requests": "Requests deferred for an existence answer or a prefetch.",
-        "deferred_seconds": "Seconds requests were deferred, summed.",
-        "prefetch_started": "Entries the workers were asked to prefetch.",
-        "prefetch_ready": "Prefetches every worker rank held in time.",
-        "prefetch_failed": "Prefetches that failed or came too late (computed instead).",
-        "prefetch_released": "Prefetches released unused (request finished, aborted, preempted).",
-        "prefetch_sync": "Items loaded synchronously because the engine was otherwise idle.",
-        "save_created": "Encoder outputs stored in ec-cache.",
-        "save_bytes": "Bytes of encoder outputs stored in ec-cache.",
-        "save_present": "Uploads answered 'already present'.",
-        "save_failed": "Uploads that failed.",
-        "save_dropped": "Encoder outputs not uploaded because the queue was full.",
-    }
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[Any], type[Any]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._metrics: dict[str, dict[int, Any]] = {}
-        for name, doc in self._COUNTERS.items():
-            counter = self._counter_cls(
-                name=f"vllm:ec_cache_{name}", documentation=doc, labelnames=labelnames
-            )
-            self._metrics[name] = {
-                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
-        gauge_cls: Any = self._gauge_cls  # vLLM's Gauge (or its multiprocess wrapper)
-        gauge = gauge_cls(
-            name="vllm:ec_cache_prefetch_bytes_held",
-            documentation="Bytes of host memory the workers hold for prefetched entries.",
-            labelnames=labelnames,
-            multiprocess_mode="mostrecent",
-        )
-        self._bytes_held: dict[int, Any] = {
-            idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
-        }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, per_engine in self._metrics.items():
-            value = transfer_stats_data.get(name)
-            if isinstance(value, int | float) and value > 0 and engine_idx in per_engine:
-                per_engine[engine_idx].inc(value)
-        held = transfer_stats_data.get("prefetch_bytes_held")
-        if isinstance(held, int | float) and engine_idx in self._bytes_held:
-            self._bytes_held[engine_idx].set(held)
-
-
-# ----------------------------------------------------------------------------------
-# Helpers that only matter on a GPU (not exercised by the CPU test-suite)
-# ----------------------------------------------------------------------------------
-
-
 def _default_load_device() -> str:
     """The worker's own device: ``cuda:{current_device()}``, never bare ``cuda``
-    (which would mean ``cuda:0`` on every tensor-parallel rank). GPU-only branch."""
+    (which would mean ``cuda:0`` on every tensor-parallel rank)."""
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.current_device()}"
     return "cpu"
-
-
-def _make_current_stream_wait_for_loads(device: torch.device) -> None:
-    """GPU-only. The SDK enqueues each host-to-device copy on the current stream of
-    the loading thread (the device's default stream). Make the forward pass's stream
-    wait for it before vLLM reads the tensors."""
-    current = torch.cuda.current_stream(device)
-    default = torch.cuda.default_stream(device)
-    if current != default:
-        current.wait_stream(default)
-
-
-class _CudaStager:
-    """GPU-only. Device-to-host copies for uploads that do not block the forward pass.
-
-    The copy is queued on a side stream after the work already queued on the
-    forward stream (so it reads the finished encoder output) into a pinned buffer
-    from torch's caching host allocator; the tensor is marked as used by the side
-    stream so that its memory is not reused before the copy ran. The upload thread
-    waits for the returned event, not the forward thread.
-    """
-
-    def __init__(self) -> None:
-        self._streams: dict[int, torch.cuda.Stream] = {}
-
-    def stage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        device = tensor.device
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        side = self._streams.get(index)
-        if side is None:
-            side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-            self._streams[index] = side
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            host.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(side)
-        tensor.record_stream(side)
-        return host, event.synchronize
 
 
 def _stage_host_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -432,11 +160,6 @@ def _prefill_context_parallel_rank() -> int:
         return int(get_pcp_group().rank_in_group)
     except Exception:
         return 0
-
-
-# ----------------------------------------------------------------------------------
-# The connector
-# ----------------------------------------------------------------------------------
 
 
 def _make_client(
@@ -517,7 +240,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         self._pool: ThreadPoolExecutor | None = None
         self._prefetcher: Prefetcher | None = None
         self._uploader: BackgroundUploader | None = None
-        self._cuda_stager: _CudaStager | None = None
+        self._cuda_stager: SideStreamStager | None = None
         self._known_present: TTLCache[str, bool] = TTLCache(cfg.hit_cache_size, cfg.hit_ttl_s)
         self._warned: set[str] = set()
         self._last_log = time.monotonic()
@@ -859,7 +582,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
             self._counters.add("load_items")
             self._counters.add("load_bytes", tensor.numel() * tensor.element_size())
         if device.type == "cuda":
-            _make_current_stream_wait_for_loads(device)
+            wait_for_default_stream(device)
         self._counters.add("load_steps")
         self._counters.add("load_seconds", time.monotonic() - started)
         if failed:
@@ -988,7 +711,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
             return
         if tensor.device.type == "cuda":
             if self._cuda_stager is None:
-                self._cuda_stager = _CudaStager()
+                self._cuda_stager = SideStreamStager()
             host, ready = self._cuda_stager.stage(tensor)
         else:
             host, ready = _stage_host_tensor(tensor), None

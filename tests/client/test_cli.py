@@ -92,9 +92,28 @@ def test_put_npy_and_pt(server: ServerProcess, tmp_path: Path) -> None:
 
     torch.save({"x": torch.ones(3, 3)}, tmp_path / "c.pt")
     h2 = key()
-    # --dtype converts: a float32 file stored as float16
-    assert run(server, "put", str(tmp_path / "c.pt"), h2, dtype="float16").returncode == 0
+    # --dtype --convert converts: a float32 file stored as float16
+    put = run(server, "put", str(tmp_path / "c.pt"), h2, "--convert", dtype="float16")
+    assert put.returncode == 0
     assert "float16" in run(server, "head", h2, dtype="float16").stdout
+
+
+def test_put_refuses_another_dtype_than_the_files(server: ServerProcess, tmp_path: Path) -> None:
+    """A float16 .npy under --dtype bfloat16 (or $EC_CACHE_DTYPE) is refused, not cast,
+    and nothing is stored; --dtype float16 stores it as it is."""
+    np.save(tmp_path / "half.npy", np.ones((3, 4), dtype=np.float16))
+    h = key()
+    refused = run(server, "put", str(tmp_path / "half.npy"), h, dtype="bfloat16")
+    assert refused.returncode == 2, refused.stdout
+    assert "holds float16, but --dtype (or $EC_CACHE_DTYPE) is bfloat16" in refused.stderr
+    assert "--convert" in refused.stderr
+    env = {"EC_CACHE_DTYPE": "bfloat16"}
+    from_env = run(server, "put", str(tmp_path / "half.npy"), h, dtype=None, env=env)
+    assert from_env.returncode == 2 and "--convert" in from_env.stderr
+    for dtype in ("bfloat16", "float16"):
+        assert run(server, "head", h, dtype=dtype).returncode == 1  # nothing stored
+    assert run(server, "put", str(tmp_path / "half.npy"), h, dtype="float16").returncode == 0
+    assert "float16" in run(server, "head", h, dtype="float16").stdout
 
 
 def test_get_to_stdout(server: ServerProcess, tmp_path: Path) -> None:

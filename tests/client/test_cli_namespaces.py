@@ -54,6 +54,9 @@ def test_ls_du_purge(tmp_path: Path) -> None:
         refused = run(None, *urls, "purge", model="rev/a", dtype=None)
         assert refused.returncode == 2
         assert "--yes" in refused.stderr
+        # Disk-only servers: the prompt promises nothing of S3.
+        assert "on the disks of 2 replica(s). This cannot be undone" in refused.stderr
+        assert "S3" not in refused.stderr
         assert httpx.get(f"{a.url}/ec/rev/a/float16/h0").status_code == 200
 
         result = run(
@@ -72,6 +75,7 @@ def test_ls_du_purge(tmp_path: Path) -> None:
         assert {url: job["disk_entries"] for url, job in jobs.items()} == {a.url: 3, b.url: 3}
         assert all(job["state"] == "done" for job in jobs.values())
         assert "2/2 replicas" in result.stderr  # the progress line
+        assert "S3" not in result.stderr
         for srv in (a, b):
             assert httpx.get(f"{srv.url}/ec/rev/a/float16/h0").status_code == 404
             assert httpx.get(f"{srv.url}/ec/rev/b/uint8/k").status_code == 200
@@ -79,11 +83,19 @@ def test_ls_du_purge(tmp_path: Path) -> None:
         again = run(None, *urls, "purge", "--yes", model="rev/a", dtype=None)
         assert again.returncode == 0
         assert "done: 0 disk entries" in again.stdout
+        assert "S3" not in again.stdout
 
 
 def test_purge_without_admin_fails_with_the_servers_message(tmp_path: Path) -> None:
-    tokens = "r:read:reader-token-0123456789"
+    tokens = "r:read:reader-token-0123456789;m:admin,model=m:model-admin-0123456789"
     with ServerProcess(tmp_path / "a", tmp_path / "a.log", auth_tokens=tokens) as a:
+        # A token limited to a model may not read /stats: whether the server has an S3
+        # tier is unknown, and the prompt says so.
+        refused = run(
+            a, "purge", model="m", dtype=None, env={"EC_CACHE_TOKEN": "model-admin-0123456789"}
+        )
+        assert refused.returncode == 2
+        assert "and every object of it in S3 if the servers have an S3 tier" in refused.stderr
         result = run(
             a,
             "purge",

@@ -11,7 +11,8 @@ import ec_cache
 import httpx
 import pytest
 import torch
-from ec_cache import _core
+from ec_cache._client_base import default_headers
+from ec_cache._routes import direct_routes
 
 from .fakeserver import FakeServer, Reply, Request, entry_reply
 from .test_faults import BODY
@@ -37,9 +38,9 @@ def fake() -> Iterator[Callable[[Callable[[Request], Reply]], FakeServer]]:
     "url", ["http://127.0.0.1:8080", "http://cache-0", "http://h:81/prefix", "http://[::1]:9"]
 )
 def test_routes_send_what_httpx_would(url: str) -> None:
-    headers = _core.default_headers("tok", {"X-Extra": "1"})
+    headers = default_headers("tok", {"X-Extra": "1"})
     with httpx.Client(headers=headers) as http:
-        route = _core.direct_routes(http, [url])[url]
+        route = direct_routes(http, [url])[url]
         for path in PATHS:
             request = http.build_request("GET", url + path)
             assert route.target(path) == request.url.raw_path
@@ -50,7 +51,7 @@ def test_routes_send_what_httpx_would(url: str) -> None:
 def test_urls_with_credentials_or_query_go_through_httpx() -> None:
     with httpx.Client() as http:
         urls = ["http://u:p@h:1", "http://h:1/?a=b", "https://h:1"]
-        assert _core.direct_routes(http, urls) == {}
+        assert direct_routes(http, urls) == {}
 
 
 def test_direct_get_and_head_headers_and_log(

@@ -229,7 +229,7 @@ def test_two_replicas_routing_and_failover(
     on_b = [h for h in hashes if httpx.head(f"{b.url}/ec/m/float32/{h}").status_code == 200]
     assert sorted(on_a + on_b) == sorted(hashes) and on_a and on_b  # spread, no duplicates
     for h in on_a:
-        assert c.router.primary("m", "float32", h) == a.url
+        assert c.router.order("m", "float32", h)[0] == a.url
     assert c.exists_many(hashes) == [True] * len(hashes)
     assert c.get_many(hashes)[5].tolist() == [5.0] * 4
 

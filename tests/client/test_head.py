@@ -15,8 +15,8 @@ import h11
 import httpx
 import pytest
 import torch
-from ec_cache._core import direct_routes
 from ec_cache._head import PlainHead, parse_plain_head, plain_request_head
+from ec_cache._routes import direct_routes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -59,7 +59,7 @@ def test_round_trip_every_dtype(server: ServerProcess, client_factory: Factory, 
 
 def test_dtype_by_name_and_torch_prefix(server: ServerProcess, client_factory: Factory) -> None:
     c = client_factory(server.url, model="m", dtype="torch.bfloat16")
-    assert c.dtype == "bfloat16" and c.torch_dtype == torch.bfloat16
+    assert c.dtype == "bfloat16" and DTYPES[c.dtype][0] == torch.bfloat16
 
 
 def test_non_contiguous_and_sliced_inputs(server: ServerProcess, client_factory: Factory) -> None:

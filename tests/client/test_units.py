@@ -1,9 +1,10 @@
 """Unit tests of the SDK pieces that need no server: safetensors header building and
 parsing, dtypes and keys, CRC32C, the buffer pool, routing, HTTP parsing, config, and
-the CPU paths of receiving (direct, out=, staged)."""
+the CPU paths of receiving (direct, out=, staged), retrying."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import struct
@@ -17,10 +18,13 @@ import pytest
 import safetensors.torch
 import torch
 from ec_cache import _crc
+from ec_cache._async.retries import retried as retried_async
 from ec_cache._buffers import BufferPool
-from ec_cache._config import Limits, Retries, Timeouts
-from ec_cache._core import Receiver, encode_put
+from ec_cache._config import Limits, Retries, Timeouts, backoff
+from ec_cache._put_body import encode_put
+from ec_cache._receiver import Receiver
 from ec_cache._routing import Router
+from ec_cache._sync.retries import retried
 from ec_cache._tensors import (
     DTYPES,
     build_header,
@@ -457,8 +461,8 @@ def test_rendezvous_moves_only_the_removed_replicas_keys() -> None:
     urls = [f"http://h{i}:1" for i in range(5)]
     full, less = Router(urls), Router(urls[:-1])
     for i in range(2000):
-        before = full.primary("m", "f", str(i))
-        after = less.primary("m", "f", str(i))
+        before = full.order("m", "f", str(i))[0]
+        after = less.order("m", "f", str(i))[0]
         if before != urls[-1]:
             assert before == after
         else:
@@ -487,6 +491,52 @@ def test_config_values() -> None:
     assert all(r.delay(9) <= 0.3 for _ in range(20))
     with pytest.raises(AttributeError):
         Timeouts().read = 1  # type: ignore[misc]
+
+
+def test_backoff_doubles_up_to_its_cap_at_any_retry() -> None:
+    assert [backoff(n, 0.05, 1.0) for n in range(1, 8)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    # Past retry 1024 the power overflowed a float: no longer.
+    assert backoff(5000, 0.05, 2.0) == 2.0
+    assert 1.0 <= Retries(attempts=5000, backoff=0.05, max_backoff=2.0).delay(4999) <= 2.0
+
+
+class _Flaky:
+    """Fails with ``errors`` in turn, then answers ``"done"``; records the delays."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+        self.asked: list[tuple[str, int]] = []
+
+    def call(self) -> str:
+        if self.errors:
+            raise self.errors.pop(0)
+        return "done"
+
+    async def acall(self) -> str:
+        return self.call()
+
+    def policy(self, error: Exception, attempt: int) -> float | None:
+        self.asked.append((type(error).__name__, attempt))
+        return 0.0 if isinstance(error, OSError) else None
+
+
+def test_retried_follows_its_policy_in_both_forms() -> None:
+    for form in ("sync", "async"):
+        flaky = _Flaky(OSError("reset"), OSError("reset"))
+        if form == "sync":
+            assert retried(flaky.call, flaky.policy) == "done"
+        else:
+            assert asyncio.run(retried_async(flaky.acall, flaky.policy)) == "done"
+        assert flaky.asked == [("OSError", 1), ("OSError", 2)]
+        # The policy gives up: the failure itself is raised, no further call.
+        flaky = _Flaky(OSError("reset"), ValueError("final"), OSError("unreached"))
+        with pytest.raises(ValueError, match="final"):
+            if form == "sync":
+                retried(flaky.call, flaky.policy)
+            else:
+                asyncio.run(retried_async(flaky.acall, flaky.policy))
+        assert flaky.asked == [("OSError", 1), ("ValueError", 2)]
+        assert len(flaky.errors) == 1
 
 
 def test_server_error_from_json() -> None:

@@ -1,5 +1,6 @@
-"""docs/architecture.md (and the other server documents) names only server modules that
-exist, and docs/s3.md's file table lists every module of the S3 backend."""
+"""docs/architecture.md (and the other documents) names only modules that exist, of the
+server and of the SDK; it names every module of the SDK; docs/s3.md's file table lists
+every module of the S3 backend."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 DOCUMENTS = sorted([*(ROOT / "docs").glob("*.md"), ROOT / "helm" / "ec-cache" / "README.md"])
-MODULE = re.compile(r"\bapp/[\w/]+\.py\b")
+MODULE = re.compile(r"\b(?:app|client)/[\w/]+\.py\b")
+SDK = ROOT / "client" / "ec_cache"
 
 
 def named_modules(document: Path) -> set[str]:
@@ -16,10 +19,22 @@ def named_modules(document: Path) -> set[str]:
 
 
 def test_the_architecture_names_the_modules_of_each_layer() -> None:
-    named = named_modules(ROOT / "docs" / "architecture.md")
-    assert len(named) >= 40, sorted(named)  # a map of the server, not a sketch
+    named = named_modules(ARCHITECTURE)
+    server = {name for name in named if name.startswith("app/")}
+    assert len(server) >= 40, sorted(server)  # a map of the server, not a sketch
     for package in ("app/http_protocol/", "app/tiers/disk/", "app/tiers/s3/"):
-        assert any(name.startswith(package) for name in named), package
+        assert any(name.startswith(package) for name in server), package
+
+
+def test_the_architecture_names_every_module_of_the_sdk() -> None:
+    named = named_modules(ARCHITECTURE)
+    modules = {
+        str(path.relative_to(ROOT))
+        for path in SDK.rglob("*.py")
+        if path.name != "__init__.py" or path.parent == SDK
+    }
+    assert len(modules) >= 40, sorted(modules)
+    assert modules <= named, sorted(modules - named)
 
 
 def test_every_module_a_document_names_exists() -> None:

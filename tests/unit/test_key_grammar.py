@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 from ec_cache import InvalidKeyError
-from ec_cache._core import exists_body
+from ec_cache._exists import exists_body
 from ec_cache._tensors import DTYPES as SDK_DTYPES
 from ec_cache._tensors import check_hash, check_hashes, check_model, parse_dtype
 from ec_cache._vllm.config import check_model_namespace
-from ec_cache._vllm.state import cache_key
+from ec_cache._vllm.keys import cache_key
 
 from app.errors import InvalidKey
 from app.keys import DTYPES as SERVER_DTYPES

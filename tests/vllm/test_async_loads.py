@@ -21,9 +21,9 @@ import ec_cache.vllm as ecv
 import torch
 from conftest import Server
 from ec_cache._buffers import BufferPool
+from ec_cache._vllm.counters import Counters
 from ec_cache._vllm.planner import PrefetchOrder
 from ec_cache._vllm.prefetch import Prefetcher
-from ec_cache._vllm.state import Counters
 from ec_cache.vllm import ECCacheConnector, ECCacheConnectorMetadata
 from engine_loop import EngineLoop
 from helpers import DTYPE, SCHED, WORKER, delete_raw, embeds, make_request, mm_hash, ns, put_raw

@@ -22,7 +22,7 @@ from typing import Any
 import ec_cache.vllm as ecv
 import torch
 from conftest import Server
-from ec_cache._vllm.state import cache_key
+from ec_cache._vllm.keys import cache_key
 from ec_cache.vllm import ECCacheConnector, ECCacheConnectorMetadata
 from helpers import (
     DTYPE,

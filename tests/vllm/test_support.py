@@ -12,8 +12,11 @@ import time
 from typing import Any
 
 import torch
+from ec_cache._vllm.breaker import CircuitBreaker
+from ec_cache._vllm.counters import Counters
+from ec_cache._vllm.keys import cache_key
 from ec_cache._vllm.planner import REPORT_GRACE_S, PrefetchPlanner, PrefetchStatus
-from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
+from ec_cache._vllm.ttl_cache import TTLCache
 from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
 from ec_cache.vllm import ECCacheConnectorStats
 
@@ -46,9 +49,16 @@ def test_ttl_cache_bounds_and_expiry() -> None:
     cache.put("b", True)
     assert cache.get("a")  # refreshes "a"
     cache.put("c", True)  # evicts the least recently used: "b"
-    assert "b" not in cache and "a" in cache and "c" in cache
+    assert cache.get("b") is None and cache.get("a") and cache.get("c")
     clock.now += 10.0
-    assert cache.get("a") is None and len(cache) == 1
+    assert cache.get("a") is None and cache.get("c") is None  # every entry expired
+    cache.put("d", True)
+    cache.discard("d")
+    assert cache.get("d") is None
+    forever: TTLCache[str, bool] = TTLCache(1, clock=clock)  # no ttl: kept until evicted
+    forever.put("x", True)
+    clock.now += 1e9
+    assert forever.get("x")
     disabled: TTLCache[str, bool] = TTLCache(0)
     disabled.put("x", True)
     assert disabled.get("x") is None

@@ -10,12 +10,19 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
-from .. import _core
-from .._backends import AsyncMapper, async_sleep
+from .._answers import entry_info, json_body
+from .._backends import AsyncMapper
+from .._client_base import ClientBase, Device, Progress, default_headers, device_of
 from .._config import Limits, Retries, Timeouts
-from .._core import ClientBase, Device, Progress, Receiver, RetryableStatus
+from .._cookies import DiscardingCookieJar
 from .._exceptions import ConnectError, ECCacheError, IntegrityError, TransportError
+from .._exists import EXISTS_BATCH, exists_batches, exists_body, present_list
+from .._failures import RetryableStatus, to_ec_error
+from .._put_body import encode_put
+from .._receiver import Receiver, check_body_end
+from .._routes import direct_routes, log_response
 from .._tensors import EntryInfo, check_hashes
+from .retries import retried
 from .transport import AsyncResponseBody, AsyncTransport, Outgoing
 
 __all__ = ["AsyncClient"]
@@ -92,14 +99,14 @@ class AsyncClient(ClientBase):
         self._http = httpx.AsyncClient(
             transport=transport,
             timeout=self._timeout(),
-            headers=_core.default_headers(token, dict(headers) if headers else None),
+            headers=default_headers(token, dict(headers) if headers else None),
             follow_redirects=False,
-            cookies=_core.DiscardingCookieJar(),
+            cookies=DiscardingCookieJar(),
         )
         self._mapper = AsyncMapper(self.limits.concurrency)
         # requests go straight to the SDK's transport (see ``_send``)
         self._transport = transport if isinstance(transport, AsyncTransport) else None
-        self._routes = _core.direct_routes(self._http, self.router.urls) if self._transport else {}
+        self._routes = direct_routes(self._http, self.router.urls) if self._transport else {}
         self._timeouts = self._timeout().as_dict()
 
     # -- public API -----------------------------------------------------------------
@@ -124,7 +131,7 @@ class AsyncClient(ClientBase):
         the body at once (for servers or proxies that mishandle ``Expect``).
         """
         path = self._path(hash)
-        body = _core.encode_put(tensor, self.dtype, self.pool)
+        body = encode_put(tensor, self.dtype, self.pool)
         body.progress = progress
         headers = self._put_headers(body, conditional)
         try:
@@ -163,7 +170,7 @@ class AsyncClient(ClientBase):
         match its checksum or headers.
         """
         path = self._path(hash)
-        dev = _core.device_of(device)
+        dev = device_of(device)
 
         async def op(url: str) -> torch.Tensor | None:
             response = await self._send("GET", url, path)
@@ -186,7 +193,7 @@ class AsyncClient(ClientBase):
             response = await self._send("HEAD", url, path)
             await response.aread()  # the empty body: the connection can be reused
             if response.status_code == 200:
-                return _core.entry_info(hash, response, url)
+                return entry_info(hash, response, url)
             await self._miss(response, url)
             return None
 
@@ -201,7 +208,7 @@ class AsyncClient(ClientBase):
         per 1000 hashes, the replicas asked at once."""
         hashes = check_hashes(hashes)
         if len(self.router.urls) == 1:  # no replica order to follow: batches in order
-            url, size = self.router.urls[0], _core.EXISTS_BATCH
+            url, size = self.router.urls[0], EXISTS_BATCH
             slices = [hashes[start : start + size] for start in range(0, len(hashes), size)]
 
             async def ask_one(batch: list[str]) -> list[bool]:
@@ -221,7 +228,7 @@ class AsyncClient(ClientBase):
                 return exc
 
         while pending:
-            batches, pending = _core.exists_batches(orders, pending, dead), []
+            batches, pending = exists_batches(orders, pending, dead), []
             answers = await self._mapper.map(ask, batches)
             for (url, batch), answer in zip(batches, answers, strict=True):
                 if isinstance(answer, ConnectError):  # each key moves on to its next replica
@@ -255,8 +262,9 @@ class AsyncClient(ClientBase):
         return await self._mapper.map(one, pairs)
 
     async def delete(self, hash: str) -> None:
-        """Remove ``hash`` from every replica (each one's disk, and S3). Replicas that
-        refuse connections are skipped; raises when none could be reached."""
+        """Remove ``hash`` from every replica (each one's disk, and S3 where it has an S3
+        tier). Replicas that refuse connections are skipped; raises when none could be
+        reached."""
         path = self._path(hash)
 
         async def op(url: str) -> None:
@@ -284,7 +292,7 @@ class AsyncClient(ClientBase):
             response = await self._http.get(url + "/stats")
             if response.status_code != 200:
                 raise await self._error(response, url)
-            data = _core.json_body(response.content, url)
+            data = json_body(response.content, url)
             return data if isinstance(data, dict) else {"stats": data}
 
         for url in self.router.urls:
@@ -341,12 +349,12 @@ class AsyncClient(ClientBase):
             fields = [*fields, *((k.encode(), v.encode()) for k, v in headers.items())]
         out = Outgoing(method.encode(), route.target(path), fields, body, None)
         response = await self._transport.send(route.key, out, self._timeouts)
-        _core.log_response(method, url + path, response)
+        log_response(method, url + path, response)
         return response
 
     async def _exists_batch(self, order: list[str], batch: list[str]) -> list[bool]:
         path = self._exists_path()
-        request_body = _core.exists_body(batch)
+        request_body = exists_body(batch)
 
         async def op(url: str) -> list[bool]:
             response = await self._send("POST", url, path, *request_body)
@@ -355,7 +363,7 @@ class AsyncClient(ClientBase):
             finally:
                 await response.aclose()
             if response.status_code == 200:
-                return _core.present_list(_core.json_body(content, url), len(batch), url)
+                return present_list(json_body(content, url), len(batch), url)
             await self._miss(response, url)
             return [False] * len(batch)
 
@@ -364,24 +372,30 @@ class AsyncClient(ClientBase):
     async def _call(
         self, order: list[str], op: Callable[[str], Awaitable[T]], *, resend: bool = True
     ) -> T:
-        """Run ``op(url)`` over the replica order with failover and retries."""
+        """Run ``op(url)`` over the replica order with failover, retried as
+        ``Retries`` says (``resend=False``: only a refused connection is tried again,
+        on the next replica)."""
         attempts = self.retries.attempts if resend else 1
-        last: BaseException | None = None
-        last_url = order[0]
-        for attempt in range(attempts):
-            if attempt:
-                await async_sleep(self.retries.delay(attempt))
+        tried = order[0]
+
+        async def over_replicas() -> T:
+            nonlocal tried
+            refused: httpx.TransportError | None = None
             for url in order:
-                last_url = url
+                tried = url
                 try:
                     return await op(url)
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    last = exc  # nothing was sent: the next replica, at once
-                    continue
-                except (httpx.TransportError, RetryableStatus) as exc:
-                    last = exc
-                    break
-        raise _core.to_ec_error(last, last_url)
+                    refused = exc  # nothing was sent: the next replica, at once
+            assert refused is not None  # an order lists at least one replica
+            raise refused
+
+        try:
+            return await retried(
+                over_replicas, lambda error, attempt: self._retry_delay(error, attempt, attempts)
+            )
+        except (httpx.TransportError, RetryableStatus) as exc:
+            raise to_ec_error(exc, tried) from None
 
     async def _error(self, response: httpx.Response, url: str) -> BaseException:
         try:
@@ -419,7 +433,7 @@ class AsyncClient(ClientBase):
             header = await _read_exact(readinto, rx.header_length(prefix), rx)
             target = rx.plan(header)
             await _fill(readinto, target, rx, progress, rx.landed)
-            _core.check_body_end(await readinto(memoryview(bytearray(1))))
+            check_body_end(await readinto(memoryview(bytearray(1))))
             return rx.finish()
         finally:
             rx.release()

@@ -1,20 +1,21 @@
-"""Support code for :mod:`ec_cache.vllm` that does not import vLLM.
+"""The parts of :mod:`ec_cache.vllm`, the vLLM connector
+(:class:`ec_cache.vllm.ECCacheConnector`), one concept each.
 
-Kept apart so that the configuration model, the bounded caches, the circuit breaker,
-the counters, the background uploader, the scheduler's existence answers
-(``existence``) and prefetch plan (``planner``) and the workers' prefetcher
-(``prefetch``) can be used and tested without vLLM installed. The public connector is
-:class:`ec_cache.vllm.ECCacheConnector`.
+Without a vLLM import, so that they can be used and tested without vLLM:
+
+* ``config``: ``ec_connector_extra_config`` parsed, and the namespace it resolves to;
+* ``keys``: the ``{hash}`` of an item vLLM names, and the names never cached;
+* ``ttl_cache``: the bounded, expiring answers (cachetools behind a lock);
+* ``breaker``: the circuit breaker in front of the scheduler's questions;
+* ``counters``: the counters behind vLLM's stats and the log lines;
+* ``existence``: the scheduler's "is it in ec-cache?", asked in the background;
+* ``planner``: the scheduler's plan of prefetches (asynchronous loads);
+* ``prefetch``: the workers' prefetches into host memory, and retried fetches;
+* ``uploader``: the bounded background upload queue of ``save_caches``.
+
+Subclasses of vLLM's classes, imported by :mod:`ec_cache.vllm` only:
+
+* ``messages``: the scheduler's metadata for the workers and their reports back;
+* ``stats``: the per-interval stats vLLM aggregates and logs;
+* ``metrics``: the Prometheus metrics vLLM exports from those stats.
 """
-
-from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache, cache_key
-from ec_cache._vllm.uploader import BackgroundUploader, UploadJob
-
-__all__ = [
-    "BackgroundUploader",
-    "CircuitBreaker",
-    "Counters",
-    "TTLCache",
-    "UploadJob",
-    "cache_key",
-]

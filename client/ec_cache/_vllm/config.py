@@ -1,4 +1,5 @@
-"""The connector's settings: ``ec_connector_extra_config`` parsed by one typed model.
+"""The connector's settings: ``ec_connector_extra_config`` parsed by one typed model,
+and the namespace (model, dtype) they and vLLM's configuration resolve to.
 
 Unknown keys are refused (a typo never silently becomes a default). Sizes use the
 server's grammar (``EC_*`` settings): bytes, or a binary K/M/G/T suffix with optional
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import torch
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ec_cache._keys import model_error, segment_ok
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 # re.ASCII, as the server's: \d and int() would take any Unicode digit.
 _SIZE = re.compile(r"\s*([0-9]+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE | re.ASCII)
@@ -129,3 +134,52 @@ class ECCacheConnectorConfig(BaseModel):
                 for err in exc.errors()
             )
             raise ValueError(f"ec_connector_extra_config: {problems}") from None
+
+
+def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> tuple[str, str]:
+    """The ``(model, dtype)`` path parts for this deployment.
+
+    ``model``: the extra config's ``model`` if set, else the model config's ``model``
+    (a Hugging Face id such as ``Qwen/Qwen2.5-VL-7B-Instruct``), else its served
+    name; plus ``@{encoder_revision}`` when set. A local path (``/models/x``) is not a
+    namespace: set ``model`` then. ``dtype``: the extra config's ``dtype`` if set,
+    else the model config's dtype.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    model = cfg.model
+    if model is None and model_config is not None:
+        candidates = [getattr(model_config, "model", None)]
+        served = getattr(model_config, "served_model_name", None)
+        candidates += served if isinstance(served, list) else [served]
+        for candidate in candidates:
+            if isinstance(candidate, str):
+                try:
+                    model = check_model_namespace(candidate)
+                    break
+                except ValueError:
+                    continue
+        if model is None:
+            raise ValueError(
+                f"ECCacheConnector: the model {getattr(model_config, 'model', None)!r} is "
+                "not usable as an ec-cache namespace (a local path?); set "
+                "ec_connector_extra_config.model, e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'"
+            )
+    if model is None:
+        raise ValueError("ECCacheConnector: no model config; set ec_connector_extra_config.model")
+    if cfg.encoder_revision:
+        model = f"{model}@{cfg.encoder_revision}"
+    check_model_namespace(model)
+
+    dtype = cfg.dtype
+    if dtype is None:
+        model_dtype = getattr(model_config, "dtype", None) if model_config else None
+        if isinstance(model_dtype, torch.dtype):
+            dtype = str(model_dtype).removeprefix("torch.")
+        elif isinstance(model_dtype, str) and model_dtype not in ("auto", ""):
+            dtype = model_dtype.removeprefix("torch.")
+        else:
+            raise ValueError(
+                "ECCacheConnector: the model's dtype is unknown; set "
+                "ec_connector_extra_config.dtype (e.g. 'bfloat16')"
+            )
+    return model, dtype

@@ -16,7 +16,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from ec_cache._vllm.state import CircuitBreaker, Counters, TTLCache
+from ec_cache._vllm.breaker import CircuitBreaker
+from ec_cache._vllm.counters import Counters
+from ec_cache._vllm.ttl_cache import TTLCache
 
 __all__ = ["Existence"]
 

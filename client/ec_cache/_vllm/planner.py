@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ec_cache._vllm.state import Counters
+from ec_cache._vllm.counters import Counters
 
 __all__ = ["PrefetchOrder", "PrefetchPlanner", "PrefetchStatus"]
 

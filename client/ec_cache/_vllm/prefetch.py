@@ -26,12 +26,13 @@ from typing import Protocol, TypeVar
 import torch
 
 import ec_cache
-from ec_cache._buffers import BufferPool, PooledBuffer
-from ec_cache._core import typed_view
+from ec_cache._buffers import BufferPool, PooledBuffer, typed_view
+from ec_cache._config import backoff
 from ec_cache._cuda import copy_to_device
+from ec_cache._sync.retries import retried
 from ec_cache._tensors import EntryInfo
+from ec_cache._vllm.counters import Counters
 from ec_cache._vllm.planner import PrefetchOrder
-from ec_cache._vllm.state import Counters
 
 __all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "check_shape", "fetch_until"]
 
@@ -39,6 +40,9 @@ __all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "check_shape", "fetch_un
 logger = logging.getLogger("vllm.ec_cache")
 
 T = TypeVar("T")
+
+# Failures that a later attempt may not meet: 503, transport errors, a corrupted body.
+_TRANSIENT = (ec_cache.UnavailableError, ec_cache.TransportError, ec_cache.IntegrityError)
 
 
 def fetch_until(
@@ -48,31 +52,29 @@ def fetch_until(
     stop: Callable[[], bool] = lambda: False,
 ) -> tuple[T | None, str | None]:
     """``call()`` (a GET or HEAD), retried on transient failures (503, transport
-    errors, a corrupted body) until ``deadline`` or ``stop()``. A 404 (``None``) and
-    any other error are final. Returns the result, or ``None`` and why."""
-    delay = 0.05
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            result = call()
-        except (
-            ec_cache.UnavailableError,
-            ec_cache.TransportError,
-            ec_cache.IntegrityError,
-        ) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # 4xx, a wrong shape, anything unexpected: final
-            return None, f"{type(exc).__name__}: {exc}"
-        else:
-            if result is None:
-                return None, "not found (404): evicted or deleted since the scheduler asked"
-            return result, None
-        if time.monotonic() + delay >= deadline or stop():
-            return None, f"{error} (after {attempt} attempts)"
+    errors, a corrupted body) until ``deadline`` or ``stop()``, 50 ms apart and then
+    twice as long each time, up to 1 s. A 404 (``None``) and any other error are
+    final. Returns the result, or ``None`` and why."""
+    attempts = 0
+
+    def delay(error: Exception, attempt: int) -> float | None:
+        nonlocal attempts
+        attempts = attempt
+        wait = backoff(attempt, 0.05, 1.0)
+        if not isinstance(error, _TRANSIENT) or time.monotonic() + wait >= deadline or stop():
+            return None
         counters.add("load_retries")
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        return wait
+
+    try:
+        result = retried(call, delay)
+    except _TRANSIENT as exc:
+        return None, f"{type(exc).__name__}: {exc} (after {attempts} attempts)"
+    except Exception as exc:  # 4xx, a wrong shape, anything unexpected: final
+        return None, f"{type(exc).__name__}: {exc}"
+    if result is None:
+        return None, "not found (404): evicted or deleted since the scheduler asked"
+    return result, None
 
 
 def check_shape(shape: tuple[int, ...], num_embeds: int | None, width: int | None) -> str | None:

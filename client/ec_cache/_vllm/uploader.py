@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ec_cache._vllm.state import Counters
+from ec_cache._vllm.counters import Counters
 
 __all__ = ["BackgroundUploader", "UploadJob"]
 
@@ -73,12 +73,6 @@ class BackgroundUploader:
         ]
         for thread in self._threads:
             thread.start()
-
-    @property
-    def pending(self) -> int:
-        """Jobs queued or being uploaded."""
-        with self._cond:
-            return self._pending_items
 
     def submit(self, job: UploadJob) -> bool:
         """Queue ``job``; ``False`` (and ``save_dropped`` counted) when the queue is
