@@ -19,20 +19,11 @@ OUT="$ROOT/.whl"
 PYTHON="${PYTHON:-python3}"
 LIMIT=$((64 * 1024 * 1024))
 
-# Server dependencies the H200 image lacks (or has at an unknown version: anyio,
-# prometheus-client, typing-extensions), as pinned in the test environment.
-# uvicorn's "standard" extras that the server does not use (websockets, watchfiles) and
-# boto3's CRT (awscrt) are left out: app/__main__.py runs uvicorn with httptools and
-# uvloop, and the benchmark runs the server without S3 (boto3 is still imported).
-SERVER_DEPS=(
-  fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2
-  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-  typing-extensions==4.16.0 anyio==4.16.0
-  pydantic-settings==2.16.3 python-dotenv==1.2.4
-  uvicorn==0.55.0 httptools==0.9.0
-  prometheus-client==0.26.0 crc32c==2.9.post0 python-json-logger==4.2.0
-  boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3 jmespath==1.1.0
-)
+# The server's locked dependencies (requirements.lock: exact versions) but boto3's CRT
+# (awscrt: the benchmark runs the server without S3), and the connector's cachetools
+# (the SDK's `vllm` extra; bench/gpu.py drives the connector's save path).
+mapfile -t SERVER_DEPS < <(grep -oE '^[A-Za-z0-9_.-]+==[^ ;\\]+' "$ROOT/requirements.lock" | grep -v '^awscrt==')
+SERVER_DEPS+=(cachetools==8.0.3)
 
 PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
