@@ -30,7 +30,7 @@ import urllib3
 from safetensors.torch import save
 
 from app.checksum import crc32c
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 DEFAULT_VARIANTS = [
     "server=",

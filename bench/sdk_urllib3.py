@@ -29,7 +29,7 @@ import torch
 import urllib3
 
 from bench.runner import EventLoopThread, concurrent, concurrent_tasks
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 MODEL, DTYPE = "bench", "bfloat16"
 SHAPES = {"4.7": (576, 4096), "19.3": (2691, 3584), "67": (2040, 16384)}  # bf16 MB

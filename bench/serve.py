@@ -44,9 +44,10 @@ from typing import Any
 
 import httpx
 
-from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
-from tests.support.fault_proxy import FaultProxy
-from tests.support.server import ServerProcess, free_port
+from testkit.fault_proxy import FaultProxy
+from testkit.ports import free_port
+from testkit.s3 import seaweedfs_endpoint
+from testkit.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = Path(
@@ -270,18 +271,7 @@ def measured_pass(
 @contextlib.contextmanager
 def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """Replicas A and B of ec-cache over one SeaweedFS bucket (write-through)."""
-    weed = SeaweedFS(work / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
-    weed.start()
-    try:
-        endpoint = S3Endpoint(
-            endpoint_url=weed.endpoint_url,
-            bucket=BUCKET,
-            region="us-east-1",
-            access_key=TEST_ACCESS_KEY,
-            secret_key=TEST_SECRET_KEY,
-            managed=weed,
-        )
-        endpoint.ensure_bucket()
+    with seaweedfs_endpoint(work / "seaweedfs", BUCKET) as endpoint:
         replicas = []
         for name in ("a", "b"):
             replica = ServerProcess(work / f"ec-{name}", work / f"ec-{name}.log")
@@ -292,8 +282,6 @@ def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
         finally:
             for replica in replicas:
                 replica.stop()
-    finally:
-        weed.stop()
 
 
 def run(load: Workload, work: Path, hold_ms: int, smoke: bool, log: Any) -> dict[str, Any]:

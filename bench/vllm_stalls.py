@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.fault_proxy import FaultProxy
-from tests.support.server import ServerProcess
+from testkit.fault_proxy import FaultProxy
+from testkit.server import ServerProcess
 from tests.vllm_engine import scenarios
 from tests.vllm_engine.conftest import (
     ENGINE_PYTHON,

@@ -17,7 +17,7 @@ from app.keys import EntryKey
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
-from tests.support.entries import body
+from testkit.entries import body
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,7 @@ from app.keys import EntryKey
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.disk import pending as pending_module
-from tests.support.entries import body
+from testkit.entries import body
 
 
 def _key(name: str) -> EntryKey:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.fault_proxy import FaultProxy
-from tests.support.server import ServerProcess
+from testkit.fault_proxy import FaultProxy
+from testkit.server import ServerProcess
 from tests.vllm_engine import scenarios
 from tests.vllm_engine.conftest import EngineRun, connector_config, request_counts
 from tests.vllm_engine.scenarios import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 from tests.vllm_engine.conftest import (
     UNIQUE_IMAGES,
     EngineRun,

@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from tests.support.server import ServerProcess, free_port
+from testkit.ports import free_port
+from testkit.server import ServerProcess
 from tests.vllm_engine.conftest import (
     PROMPTS,
     ROOT,
