@@ -71,7 +71,7 @@ lint: $(VENV)/.test
 	cd client && ../$(VENV)/bin/deptry ec_cache
 
 typecheck: $(VENV)/.test
-	$(VENV)/bin/mypy app client/ec_cache
+	$(VENV)/bin/mypy app client/ec_cache testkit
 
 ## deploy-check: hadolint, compose config, helm lint/template, schema validation, tests/deploy
 deploy-check:

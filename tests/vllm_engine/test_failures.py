@@ -18,11 +18,11 @@ import pytest
 from testkit.fault_proxy import FaultProxy
 from testkit.ports import free_port
 from testkit.server import ServerProcess
+from testkit.vllm_engine import connector_config
 from tests.vllm_engine.conftest import (
     UNIQUE_IMAGES,
     EngineRun,
     assert_same_outputs,
-    connector_config,
     count,
     request_counts,
 )
