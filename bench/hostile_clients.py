@@ -1,5 +1,6 @@
 """Hostile clients against a real server with its default deadlines: how many
-connections are held, how many dropped, and how long each takes to drop.
+connections are held, how many dropped, and how long each takes to drop
+(``make bench-hostile``).
 
     python -m bench.hostile_clients [--idle 1000] [--slowloris 300] [--tricklers 64]
                                     [--stalled 16] [--excess 100]

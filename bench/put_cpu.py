@@ -1,4 +1,4 @@
-"""Server CPU time per PUT, for server variants side by side (``python -m bench.put_cpu``).
+"""Server CPU time per PUT, for server variants side by side (``make bench-put-cpu``).
 
     python -m bench.put_cpu [--variant NAME=VAR:VALUE+VAR:VALUE ...] [--mb 4.7]
                             [--rounds 6] [--requests 40] [--out FILE.json]

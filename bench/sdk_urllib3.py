@@ -1,4 +1,4 @@
-"""The SDK against urllib3 on the same ec-cache server, same run (``python -m bench.sdk_urllib3``).
+"""The SDK against urllib3 on the same ec-cache server, same run (``make bench-sdk-urllib3``).
 
     python -m bench.sdk_urllib3 [--clients 1,4,16,64] [--sizes 4.7,19.3] [--rounds 5]
                                 [--requests 64] [--only threads|tasks] [--no-verify]
