@@ -41,8 +41,10 @@ class Server(ServerProcess):
             return data
 
 
-def start_server(tmp: Path, port: int = 0) -> Server:
-    return Server(tmp / "ec-data", tmp / "server.log", port=port).start()
+def start_server(tmp: Path, env_extra: dict[str, str] | None = None, port: int = 0) -> Server:
+    srv = Server(tmp / "ec-data", tmp / "server.log", port=port)
+    srv.env.update(env_extra or {})
+    return srv.start()
 
 
 @pytest.fixture(scope="session")
