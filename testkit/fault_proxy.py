@@ -217,26 +217,28 @@ class FaultProxy:
     # -- connections ----------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._stopped:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            if self._down:
-                _reset(sock)
-                continue
-            try:
-                upstream = socket.create_connection(self._upstream_address, timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                _reset(sock)  # as a peer that is not there
-                continue
-            conn = _Conn(sock, upstream)
-            with self._lock:
-                self._conns.append(conn)
-                self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-            threading.Thread(target=self._pump_answers, args=(conn,), daemon=True).start()
+        with contextlib.suppress(OSError):  # the listener was closed
+            while not self._stopped:
+                self._admit(self._listener.accept()[0])
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve a client connection on an upstream connection of its own, or reset it
+        (an outage, or no upstream: a peer that is not there)."""
+        if self._down:
+            _reset(sock)
+            return
+        try:
+            upstream = socket.create_connection(self._upstream_address, timeout=5)
+            upstream.settimeout(None)
+        except OSError:
+            _reset(sock)
+            return
+        conn = _Conn(sock, upstream)
+        with self._lock:
+            self._conns.append(conn)
+            self.connections += 1
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        threading.Thread(target=self._pump_answers, args=(conn,), daemon=True).start()
 
     def _close(self, conn: _Conn, *, reset: bool = False) -> None:
         with self._lock:
