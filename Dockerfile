@@ -45,6 +45,7 @@ FROM builder AS test
 # hadolint ignore=DL3013
 RUN sh /wheels/server-wheels.sh install /wheels \
  && python -m pip install ".[test]"
+COPY testkit ./testkit
 COPY tests ./tests
 ENTRYPOINT ["python", "-m", "pytest"]
 CMD ["-q", "tests/s3"]

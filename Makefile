@@ -18,7 +18,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: run sdk lock test system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: run sdk lock test system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -79,7 +79,7 @@ lint: $(VENV)/.test
 	cd client && ../$(VENV)/bin/deptry ec_cache
 
 typecheck: $(VENV)/.test
-	$(VENV)/bin/mypy app client/ec_cache
+	$(VENV)/bin/mypy app client/ec_cache testkit
 
 ## deploy-check: hadolint, compose config, helm lint/template, schema validation, tests/deploy
 deploy-check:
@@ -125,6 +125,21 @@ bench-serve: $(VENV)/.test
 bench-vllm-stalls: $(VENV)/.test
 	bash scripts/setup-vllm-engine-venv.sh
 	$(PY) -m bench.vllm_stalls
+
+## bench-hostile: idle, slowloris, trickling and stalled clients against a server with
+## its default deadlines: how many are held and how long each takes to drop (~2 min)
+bench-hostile: $(VENV)/.test
+	$(PY) -m bench.hostile_clients
+
+## bench-put-cpu: the server's CPU time per PUT, server variants side by side (by
+## default glibc's allocator thresholds as app/allocator.py sets them, and fixed)
+bench-put-cpu: $(VENV)/.test
+	$(PY) -m bench.put_cpu
+
+## bench-sdk-urllib3: the SDK (threads, asyncio tasks) against urllib3 on one server,
+## 1-64 clients, with the client's CPU time per GET
+bench-sdk-urllib3: $(VENV)/.test
+	$(PY) -m bench.sdk_urllib3
 
 ## bench-gpu: the SDK's GPU path (bench/gpu.py) on a CUDA machine, with that machine's
 ## python3 (no .venv: see bench/README.md, "GPU path"); results in $(GPU_OUT)

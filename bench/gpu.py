@@ -59,13 +59,13 @@ from typing import Any, TypeVar
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a file: tests.support and bench from the checkout
+if str(ROOT) not in sys.path:  # run as a file: testkit and bench from the checkout
     sys.path.insert(0, str(ROOT))
 
 import ec_cache  # noqa: E402
 
 from bench import vllm_shim  # noqa: E402
-from tests.support.server import ServerProcess  # noqa: E402
+from testkit.server import ServerProcess  # noqa: E402
 
 T = TypeVar("T")
 MODEL = "bench/gpu"

@@ -1,5 +1,6 @@
 """Hostile clients against a real server with its default deadlines: how many
-connections are held, how many dropped, and how long each takes to drop.
+connections are held, how many dropped, and how long each takes to drop
+(``make bench-hostile``).
 
     python -m bench.hostile_clients [--idle 1000] [--slowloris 300] [--tricklers 64]
                                     [--stalled 16] [--excess 100]
@@ -28,8 +29,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.support.entries import body
-from tests.support.server import ServerProcess
+from testkit.entries import body
+from testkit.server import ServerProcess
 
 
 def _open(port: int, count: int, rcvbuf: int | None = None) -> list[socket.socket]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.server import free_port
+from testkit.ports import free_port
 
 _CONFIG = """
 daemon off;

@@ -1,4 +1,4 @@
-"""Server CPU time per PUT, for server variants side by side (``python -m bench.put_cpu``).
+"""Server CPU time per PUT, for server variants side by side (``make bench-put-cpu``).
 
     python -m bench.put_cpu [--variant NAME=VAR:VALUE+VAR:VALUE ...] [--mb 4.7]
                             [--rounds 6] [--requests 40] [--out FILE.json]
@@ -30,7 +30,7 @@ import urllib3
 from safetensors.torch import save
 
 from app.checksum import crc32c
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 DEFAULT_VARIANTS = [
     "server=",

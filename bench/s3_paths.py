@@ -56,8 +56,8 @@ from bench.contenders import ColdCycle, boto3_client, same_bits, tensor_from_saf
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS, Payload
 from bench.services import Services, http_json, load_average
 from bench.stats import median, target_row
-from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
-from tests.support.server import ServerProcess
+from testkit.s3 import S3Endpoint, SeaweedFS, seaweedfs_endpoint
+from testkit.server import ServerProcess
 
 PREFIX = "ec-s3paths"
 BUCKET = "ec-bench-s3paths"
@@ -226,43 +226,33 @@ def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
         log(f"s3: S3 link NOT shaped ({why_not_shaped})")
         rates = []
     root: Path = svc.root / "s3paths"
-    weed = SeaweedFS(root / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
-    weed.start()
-    try:
-        assert weed.proc is not None
+    with seaweedfs_endpoint(root / "seaweedfs", BUCKET) as endpoint:
+        weed = endpoint.managed
+        assert weed is not None and weed.proc is not None
         s3_pid = weed.proc.pid
-        endpoint = S3Endpoint(
-            endpoint_url=weed.endpoint_url,
-            bucket=BUCKET,
-            region="us-east-1",
-            access_key=TEST_ACCESS_KEY,
-            secret_key=TEST_SECRET_KEY,
-            managed=weed,
-        )
-        endpoint.ensure_bucket()
-        if isolation.pinned:
-            pin_process(s3_pid, isolation.s3_cpus)
-            pin_process(os.getpid(), isolation.other_cpus)
-        out: dict[str, Any] = {
-            "isolation": isolation.describe(),
-            "pinned": isolation.pinned,
-            "link_rates": rates,
-            "link_not_shaped": why_not_shaped,
-            "loadavg_before": load_average(),
-            "payloads": {},
-        }
-        for payload in payloads:
-            count, rounds = requests[payload.name]
-            log(f"s3: {payload.name} ({count} requests x {rounds} rounds)")
-            out["payloads"][payload.name] = _payload(
-                svc, root, endpoint, isolation, weed, payload, count, rounds, rates
-            )
-        out["loadavg_after"] = load_average()
-        return out
-    finally:
-        if isolation.pinned:
-            pin_process(os.getpid(), isolation.s3_cpus | isolation.other_cpus)
-        weed.stop()
+        try:
+            if isolation.pinned:
+                pin_process(s3_pid, isolation.s3_cpus)
+                pin_process(os.getpid(), isolation.other_cpus)
+            out: dict[str, Any] = {
+                "isolation": isolation.describe(),
+                "pinned": isolation.pinned,
+                "link_rates": rates,
+                "link_not_shaped": why_not_shaped,
+                "loadavg_before": load_average(),
+                "payloads": {},
+            }
+            for payload in payloads:
+                count, rounds = requests[payload.name]
+                log(f"s3: {payload.name} ({count} requests x {rounds} rounds)")
+                out["payloads"][payload.name] = _payload(
+                    svc, root, endpoint, isolation, weed, payload, count, rounds, rates
+                )
+            out["loadavg_after"] = load_average()
+            return out
+        finally:
+            if isolation.pinned:
+                pin_process(os.getpid(), isolation.s3_cpus | isolation.other_cpus)
 
 
 def _server(

@@ -1,4 +1,4 @@
-"""The SDK against urllib3 on the same ec-cache server, same run (``python -m bench.sdk_urllib3``).
+"""The SDK against urllib3 on the same ec-cache server, same run (``make bench-sdk-urllib3``).
 
     python -m bench.sdk_urllib3 [--clients 1,4,16,64] [--sizes 4.7,19.3] [--rounds 5]
                                 [--requests 64] [--only threads|tasks] [--no-verify]
@@ -29,7 +29,7 @@ import torch
 import urllib3
 
 from bench.runner import EventLoopThread, concurrent, concurrent_tasks
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 MODEL, DTYPE = "bench", "bfloat16"
 SHAPES = {"4.7": (576, 4096), "19.3": (2691, 3584), "67": (2040, 16384)}  # bf16 MB

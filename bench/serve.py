@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -44,14 +43,18 @@ from typing import Any
 
 import httpx
 
-from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
-from tests.support.fault_proxy import FaultProxy
-from tests.support.server import ServerProcess, free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-ENGINE_PYTHON = Path(
-    os.environ.get("EC_VLLM_ENGINE_PYTHON", ROOT / ".venv-vllm-engine" / "bin" / "python")
+from testkit.fault_proxy import FaultProxy
+from testkit.s3 import seaweedfs_endpoint
+from testkit.server import ServerProcess
+from testkit.vllm_engine import (
+    ENGINE_PYTHON,
+    ROOT,
+    build_model,
+    connector_config,
+    engine_env,
+    vllm_server,
 )
+
 NAMESPACE = "bench/qwen2-vl-random"
 BUCKET = "ec-bench-serve"
 
@@ -97,87 +100,17 @@ class Row:
         }
 
 
-def engine_env(tmp: Path) -> dict[str, str]:
-    """The engine venv's environment: offline, its caches and IPC sockets in ``tmp``."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HOME": str(tmp / "hf"),
-        "TMPDIR": str(tmp),
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "TORCHDYNAMO_DISABLE": "1",
-    }
-
-
-def build_model(work: Path, profile: str) -> Path:
-    path = work / f"qwen2-vl-{profile}"
-    subprocess.run(
-        [ENGINE_PYTHON, "-m", "testkit.qwen2vl", path, "--profile", profile],
-        cwd=ROOT,
-        env=engine_env(work / "tmp-build"),
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    return path
-
-
-def connector_config(url: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "ec_connector": "ECCacheConnector",
-        "ec_connector_module_path": "ec_cache.vllm",
-        "ec_role": "ec_both",
-        "ec_connector_extra_config": {"url": url, "model": NAMESPACE, **extra},
-    }
-
-
 @contextlib.contextmanager
-def vllm_server(model: Path, work: Path, ec_config: dict[str, Any] | None) -> Iterator[str]:
-    """vLLM's OpenAI server on a free port; yields its URL."""
-    work.mkdir(parents=True)
-    port = free_port()
-    # vLLM's IPC sockets live in TMPDIR; a socket path has at most 107 bytes.
-    env = engine_env(Path(tempfile.mkdtemp(prefix="ec-vllm-")))
-    command = [
-        str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-        "--max-num-seqs", "16", "--seed", "0", "--limit-mm-per-prompt", '{"image": 1}',
-        "--no-enable-prefix-caching",
+def serving(model: Path, work: Path, ec_config: dict[str, Any] | None) -> Iterator[str]:
+    """vLLM's OpenAI server as every row runs it; yields its URL."""
+    args = [
+        "--max-model-len", "1024", "--max-num-seqs", "16",
+        "--limit-mm-per-prompt", '{"image": 1}', "--no-enable-prefix-caching",
     ]  # fmt: skip
     if ec_config is not None:
-        command += ["--ec-transfer-config", json.dumps(ec_config)]
-    log_path = work / "vllm.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited:\n{log_path.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server not up in 600 s:\n{log_path.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+        args += ["--ec-transfer-config", json.dumps(ec_config)]
+    with vllm_server(model, work, *args) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def bench_pass(url: str, model: Path, load: Workload, work: Path, name: str) -> dict[str, Any]:
@@ -270,18 +203,7 @@ def measured_pass(
 @contextlib.contextmanager
 def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """Replicas A and B of ec-cache over one SeaweedFS bucket (write-through)."""
-    weed = SeaweedFS(work / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
-    weed.start()
-    try:
-        endpoint = S3Endpoint(
-            endpoint_url=weed.endpoint_url,
-            bucket=BUCKET,
-            region="us-east-1",
-            access_key=TEST_ACCESS_KEY,
-            secret_key=TEST_SECRET_KEY,
-            managed=weed,
-        )
-        endpoint.ensure_bucket()
+    with seaweedfs_endpoint(work / "seaweedfs", BUCKET) as endpoint:
         replicas = []
         for name in ("a", "b"):
             replica = ServerProcess(work / f"ec-{name}", work / f"ec-{name}.log")
@@ -292,30 +214,28 @@ def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
         finally:
             for replica in replicas:
                 replica.stop()
-    finally:
-        weed.stop()
 
 
 def run(load: Workload, work: Path, hold_ms: int, smoke: bool, log: Any) -> dict[str, Any]:
-    model = build_model(work, load.profile)
+    model = build_model(work / f"qwen2-vl-{load.profile}", load.profile)
     rows: list[Row] = []
     with cache_replicas(work) as (a, b):
         if not smoke:
-            with vllm_server(model, work / "none", None) as url:
+            with serving(model, work / "none", None) as url:
                 rows.append(measured_pass("none", url, model, load, work, None, log))
-        with vllm_server(model, work / "cold", connector_config(a.url)) as url:
+        with serving(model, work / "cold", connector_config(a.url, model=NAMESPACE)) as url:
             rows.append(measured_pass("cold", url, model, load, work, a.url, log))
             rows.append(measured_pass("warm", url, model, load, work, a.url, log))
         if not smoke:
-            with vllm_server(model, work / "other", connector_config(a.url)) as url:
+            with serving(model, work / "other", connector_config(a.url, model=NAMESPACE)) as url:
                 rows.append(measured_pass("other node", url, model, load, work, a.url, log))
-        with vllm_server(model, work / "replica", connector_config(b.url)) as url:
+        with serving(model, work / "replica", connector_config(b.url, model=NAMESPACE)) as url:
             rows.append(measured_pass("S3 replica", url, model, load, work, b.url, log))
         if not smoke:
             with FaultProxy(a.url, "slow", delay_s=hold_ms / 1000) as proxy:
                 for mode in ("sync", "async"):
-                    config = connector_config(proxy.url, load_mode=mode)
-                    with vllm_server(model, work / f"slow-{mode}", config) as url:
+                    config = connector_config(proxy.url, model=NAMESPACE, load_mode=mode)
+                    with serving(model, work / f"slow-{mode}", config) as url:
                         name = f"slow, {mode}"
                         rows.append(measured_pass(name, url, model, load, work, a.url, log))
     return {

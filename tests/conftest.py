@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 
 @pytest.fixture(scope="module")

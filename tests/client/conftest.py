@@ -17,7 +17,7 @@ if str(CLIENT_DIR) not in sys.path:  # the SDK may not be installed in the venv
 
 import ec_cache  # noqa: E402
 
-from tests.support.server import ServerProcess  # noqa: E402
+from testkit.server import ServerProcess  # noqa: E402
 
 
 def _server(root: Path, **settings: str) -> ServerProcess:

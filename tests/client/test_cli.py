@@ -15,7 +15,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.support.server import ServerProcess, free_port
+from testkit.ports import free_port
+from testkit.server import ServerProcess
 
 from .conftest import CLIENT_DIR
 

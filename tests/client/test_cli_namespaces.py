@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.entries import body
-from tests.support.server import ServerProcess
+from testkit.entries import body
+from testkit.server import ServerProcess
 
 from .test_cli import run
 

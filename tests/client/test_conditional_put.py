@@ -14,7 +14,7 @@ import pytest
 import torch
 from ec_cache import _backends
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 from .hostile import body_of, crc_of
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from ec_cache._tensors import build_header, tensor_memoryview
 
-from tests.support.server import ServerProcess, free_port
+from testkit.ports import free_port
+from testkit.server import ServerProcess
 
 from .fakeserver import FakeServer, Reply, Request, entry_reply, json_reply
 

@@ -20,7 +20,7 @@ from ec_cache._routes import direct_routes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 STATUS_LINES = [
     b"HTTP/1.1 200 OK",

@@ -13,7 +13,7 @@ import pytest
 import torch
 from ec_cache._tensors import DTYPES
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct@a1b2"
 

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from testkit.ports import free_port
 from tests.deploy.tooling import ROOT, dockerfile_stages, run, server_env_vars, tool
 
 HEALTHCHECK = ROOT / "deploy" / "docker" / "healthcheck.py"
@@ -240,9 +240,7 @@ def test_healthcheck_fails_on_error_status(failing_port: int) -> None:
 
 
 def test_healthcheck_fails_when_nothing_listens() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     started = time.monotonic()
     proc = _healthcheck(port)
     assert proc.returncode == 1

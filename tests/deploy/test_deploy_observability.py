@@ -8,10 +8,7 @@ import functools
 import json
 import os
 import re
-import socket
-import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from testkit.server import SERVER_VENV_PYTHON, ServerProcess
 from tests.deploy.tooling import CHART, FULLNAME, ROOT, find, one, render
 
 MONITORING = CHART / "ci" / "hpa-monitoring-netpol-values.yaml"
@@ -61,14 +59,12 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def _server_python() -> Path:
-    python = Path(os.environ.get("EC_SERVER_PYTHON", ROOT / ".venv" / "bin" / "python"))
-    if not python.exists():
-        message = f"{python} missing: the server's venv (make test creates .venv)"
+def _require_server_venv() -> None:
+    if "EC_SERVER_PYTHON" not in os.environ and not SERVER_VENV_PYTHON.exists():
+        message = f"{SERVER_VENV_PYTHON} missing: the server's venv (make test creates .venv)"
         if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
             pytest.fail(message)
         pytest.skip(message)
-    return python
 
 
 def _get(url: str) -> str:
@@ -83,50 +79,31 @@ def _get(url: str) -> str:
 def server_metric_names() -> frozenset[str]:
     """Sample names a real server exports with every tier on: S3 (unreachable) in
     write-back mode, per-namespace lookups, after one lookup and one readiness check."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    data = tempfile.mkdtemp()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "EC_HOST": "127.0.0.1",
-        "EC_PORT": str(port),
-        "EC_DATA_DIR": data,
-        "EC_LOG_LEVEL": "warning",
-        "EC_S3_ENDPOINT_URL": "http://127.0.0.1:1",
-        "EC_S3_BUCKET": "b",
-        "EC_S3_CONNECT_TIMEOUT": "0.2",
-        "EC_S3_MAX_ATTEMPTS": "1",
-        "EC_WRITE_MODE": "write-back",
-        "EC_METRICS_NAMESPACES": "5",
-        "AWS_ACCESS_KEY_ID": "x",
-        "AWS_SECRET_ACCESS_KEY": "y",
-    }
-    proc = subprocess.Popen(
-        [str(_server_python()), "-m", "app"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    _require_server_venv()
+    root = Path(tempfile.mkdtemp())
+    server = ServerProcess(
+        root / "data",
+        root / "server.log",
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "AWS_ACCESS_KEY_ID": "x",
+            "AWS_SECRET_ACCESS_KEY": "y",
+        },
+        s3_endpoint_url="http://127.0.0.1:1",
+        s3_bucket="b",
+        s3_connect_timeout="0.2",
+        s3_max_attempts="1",
+        write_mode="write-back",
+        metrics_namespaces="5",
     )
+    server.start(timeout=60)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(base + "/healthz")
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"server did not start: {proc.stderr}") from None
-                time.sleep(0.1)
-        _get(base + "/readyz")
-        _get(base + "/ec/m/uint8/h")
-        text = _get(base + "/metrics")
+        _get(server.url + "/readyz")
+        _get(server.url + "/ec/m/uint8/h")
+        text = _get(server.url + "/metrics")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
     names = set()
     for line in text.splitlines():
         match = re.match(r"# TYPE (\S+) (\S+)", line)

@@ -25,11 +25,9 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import struct
 import subprocess
 import sys
-import time
 import venv
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from testkit.server import ServerProcess
 from tests.deploy.tooling import ROOT, dockerfile_stages
 
 SCRIPT = ROOT / "deploy" / "docker" / "server-wheels.sh"
@@ -117,13 +116,6 @@ def test_the_image_installs_exactly_the_lock(image: Image) -> None:
     assert extra == set(), "installed beyond the lock"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _entry_body() -> bytes:
     """A 4.7 MB bfloat16 entry (576 x 4096, a LLaVA-1.5 image) as a safetensors file."""
     nbytes = 576 * 4096 * 2
@@ -137,29 +129,16 @@ def _entry_body() -> bytes:
 
 @pytest.fixture(scope="module")
 def server(image: Image) -> Iterator[dict[str, str]]:
-    env = {
-        **image.env,
-        "EC_HOST": "127.0.0.1",
-        "EC_PORT": str(_free_port()),
-        "EC_DATA_DIR": str(image.workdir),
-    }
-    log = (image.workdir.parent / "server.log").open("wb")
-    proc = subprocess.Popen(image.entrypoint, env=env, cwd=image.workdir, stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (image.workdir.parent / "server.log").read_text()
-            try:
-                with socket.create_connection(("127.0.0.1", int(env["EC_PORT"])), timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not listen within 30 s"
-                time.sleep(0.1)
-        yield env
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    """The ENTRYPOINT in the image's environment and WORKDIR, at the image's log level."""
+    with ServerProcess(
+        image.workdir,
+        image.workdir.parent / "server.log",
+        command=image.entrypoint,
+        env=image.env,
+        cwd=image.workdir,
+        log_level=image.env.get("EC_LOG_LEVEL", "info"),
+    ) as srv:
+        yield srv.env
 
 
 def test_the_entrypoint_serves_a_4_7_mb_entry(image: Image, server: dict[str, str]) -> None:
@@ -233,7 +212,7 @@ def test_the_documented_docker_run_starts(image: Image) -> None:
 
 def test_the_compose_test_profile_collects_in_the_test_stage(image: Image) -> None:
     """The ``test`` stage: the runtime install, then ``pip install ".[test]"`` in the
-    builder's /src (pyproject, README, lock, app/) with tests/ copied in; the
+    builder's /src (pyproject, README, lock, app/) with testkit/ and tests/ copied in; the
     ``s3-tests`` service's command must collect every module without an import error."""
     stage = _instructions("test")
     runs = " ".join(arg for instr, arg in stage if instr == "RUN")
@@ -242,7 +221,7 @@ def test_the_compose_test_profile_collects_in_the_test_stage(image: Image) -> No
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "requirements.lock"):
         shutil.copy(ROOT / name, src / name)
-    for folder in ("app", "tests"):
+    for folder in ("app", "testkit", "tests"):
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     _run(["python", "-m", "pip", "install", "--quiet", ".[test]"], env=image.env, cwd=src)
     (entrypoint,) = [json.loads(arg) for instr, arg in stage if instr == "ENTRYPOINT"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTED = "<!-- tested -->"

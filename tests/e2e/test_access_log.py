@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.entries import body
-from tests.support.server import ServerProcess
+from testkit.entries import body
+from testkit.server import ServerProcess
 
 TEXT_LINE = re.compile(
     r"app\.access: (?P<method>[A-Z]+) (?P<path>\S+) (?P<status>\d{3}) cache=(?P<cache>\S+) "

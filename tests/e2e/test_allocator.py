@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
+from testkit.entries import body, crc_hex
+from testkit.server import ServerProcess
 
 SHAPE = (256, 4096)  # float32: 4 MiB, 1,024 pages a body
 PUTS = 12

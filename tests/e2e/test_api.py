@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
+from testkit.entries import body, crc_hex
+from testkit.server import ServerProcess
 from tests.e2e import rawhttp
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 JSON = {"Content-Type": "application/json"}

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from testkit.entries import body, crc_hex
+from testkit.server import ServerProcess
 from tests.e2e.rawhttp import RawResponse, read_response
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
 
 #: The server's body limit: small enough to send a whole body at it in tiny pieces.
 LIMIT = 3 * 1024 * 1024

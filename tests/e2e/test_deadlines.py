@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from testkit.entries import body
+from testkit.server import ServerProcess
 from tests.e2e import rawhttp
-from tests.support.entries import body
-from tests.support.server import ServerProcess
 
 
 class Trickler:

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit.entries import body
+from testkit.server import ServerProcess
 from tests.e2e import rawhttp
-from tests.support.entries import body
-from tests.support.server import ServerProcess
 
 MB = 1_000_000
 

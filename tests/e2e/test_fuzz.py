@@ -12,7 +12,7 @@ import httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
 
 EXAMPLES_PER_OPERATION = 60
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit.entries import body, crc_hex
+from testkit.server import ServerProcess
 from tests.e2e import rawhttp
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
 
 UPLOADS = 8
 PATH = "/ec/group/commit/uint8/{}"

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit.entries import body
+from testkit.server import ServerProcess
 from tests.e2e import rawhttp
-from tests.support.entries import body
-from tests.support.server import ServerProcess
 
 READER = "reader-token-0123456789"
 WRITER = "writer-token-0123456789"

@@ -7,9 +7,9 @@ import struct
 import httpx
 import pytest
 
+from testkit.entries import body, crc_hex
+from testkit.server import ServerProcess
 from tests.e2e import rawhttp
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
 
 
 def _body(header: str, data: bytes = b"") -> bytes:

@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 
 from app.namespaces import purge_id
-from tests.support.entries import body
-from tests.support.server import ServerProcess
+from testkit.entries import body
+from testkit.server import ServerProcess
 
 
 def _put(url: str, model: str, dtype: str, hash_: str, rows: int = 4) -> bytes:

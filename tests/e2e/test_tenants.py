@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from app.auth import ModelPattern, parse_tokens
-from tests.support.entries import body
-from tests.support.server import ServerProcess
+from testkit.entries import body
+from testkit.server import ServerProcess
 
 QWEN_RW = "qwen-writer-token-0123456789"
 QWEN_ADMIN = "qwen-admin-token-0123456789"

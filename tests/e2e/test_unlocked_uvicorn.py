@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from app.http_protocol import LOCKED
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
+from testkit.entries import body, crc_hex
+from testkit.server import ServerProcess
 
 OTHER_UVICORN = Path(sys.prefix) / "other-uvicorn"
 ENTRY = "/ec/unlocked/test/bfloat16/h1"

@@ -14,8 +14,8 @@ import socket
 import httpx
 import pytest
 
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
+from testkit.entries import body, crc_hex
+from testkit.server import ServerProcess
 
 H2C = (
     "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"

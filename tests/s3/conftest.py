@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real S3 endpoint (see ``harness.py``).
+"""Fixtures for tests against a real S3 endpoint (see ``testkit/s3.py``).
 
 Default: a SeaweedFS ``weed mini`` per test session on free 127.0.0.1 ports. Set
 ``EC_TEST_S3_ENDPOINT_URL`` (+ ``EC_TEST_S3_BUCKET``, ``EC_TEST_S3_REGION``,
@@ -20,16 +20,9 @@ import pytest
 from app.settings import Settings
 from app.tiers.s3.client import S3Client
 from app.tiers.s3.transfers import put_file
-from tests.s3.harness import (
-    TEST_ACCESS_KEY,
-    TEST_SECRET_KEY,
-    CountingProxy,
-    FaultyFront,
-    S3Endpoint,
-    SeaweedFS,
-    endpoint_from_env,
-)
-from tests.support.server import ServerProcess
+from testkit.fault_proxy import FaultProxy
+from testkit.s3 import S3Endpoint, SeaweedFS, endpoint_from_env, seaweedfs_endpoint
+from testkit.server import ServerProcess
 
 MiB = 1024 * 1024
 
@@ -47,21 +40,8 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint
         external.ensure_bucket()
         yield external
         return
-    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), TEST_ACCESS_KEY, TEST_SECRET_KEY)
-    weed.start()
-    try:
-        endpoint = S3Endpoint(
-            endpoint_url=weed.endpoint_url,
-            bucket="ec-test",
-            region="us-east-1",
-            access_key=TEST_ACCESS_KEY,
-            secret_key=TEST_SECRET_KEY,
-            managed=weed,
-        )
-        endpoint.ensure_bucket()
+    with seaweedfs_endpoint(tmp_path_factory.mktemp("seaweedfs"), "ec-test") as endpoint:
         yield endpoint
-    finally:
-        weed.stop()
 
 
 class S3Control:
@@ -111,15 +91,13 @@ def s3_prefix(s3_endpoint: S3Endpoint) -> Iterator[str]:
 
 
 @pytest.fixture
-def counting_proxy(s3_endpoint: S3Endpoint) -> Iterator[CountingProxy]:
-    """A request-counting proxy in front of the S3 endpoint."""
+def s3_proxy(s3_endpoint: S3Endpoint) -> Iterator[FaultProxy]:
+    """A proxy in front of the S3 endpoint that counts its requests and fails, holds
+    or cuts them when told to."""
     if not s3_endpoint.endpoint_url.startswith("http://"):
-        pytest.skip("the counting proxy forwards plain http:// endpoints only")
-    proxy = CountingProxy(s3_endpoint.endpoint_url)
-    try:
+        pytest.skip("the fault proxy forwards plain http:// endpoints only")
+    with FaultProxy(s3_endpoint.endpoint_url) as proxy:
         yield proxy
-    finally:
-        proxy.close()
 
 
 def base_settings(endpoint: S3Endpoint, prefix: str) -> dict[str, Any]:
@@ -218,17 +196,6 @@ def make_server(tmp_path: Path, s3_endpoint: S3Endpoint, s3_prefix: str) -> Iter
     yield factory
     for srv in servers:
         srv.stop()
-
-
-@pytest.fixture
-def faulty_front(s3_endpoint: S3Endpoint) -> Iterator[FaultyFront]:
-    if not s3_endpoint.endpoint_url.startswith("http://"):
-        pytest.skip("the faulty front forwards plain http:// endpoints only")
-    front = FaultyFront(s3_endpoint.endpoint_url)
-    try:
-        yield front
-    finally:
-        front.close()
 
 
 async def read_object(store: S3Client, key: str) -> bytes | None:

@@ -6,8 +6,8 @@ import json
 
 import httpx
 
+from testkit.entries import body, crc_hex
 from tests.s3.conftest import ServerFactory
-from tests.support.entries import body, crc_hex
 
 
 def test_access_line_names_the_s3_tier(make_server: ServerFactory) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
+from testkit.entries import body, crc_hex
 from tests.s3.conftest import ServerFactory
-from tests.support.entries import body, crc_hex
 
 URL = "/ec/m/uint8/race"
 

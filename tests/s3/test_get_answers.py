@@ -12,8 +12,9 @@ import pytest
 
 from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Error, S3Unavailable
+from testkit.fault_proxy import FaultProxy
+from testkit.s3 import S3Endpoint
 from tests.s3.conftest import StoreFactory, read_object, write_object
-from tests.s3.harness import FaultyFront, S3Endpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -55,31 +56,34 @@ async def test_what_boto3_reports_as_errors(
 
 
 async def test_throttling_is_retried_up_to_max_attempts(
-    make_store: StoreFactory, faulty_front: FaultyFront
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
-    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_max_attempts=3)
     key = f"{store.prefix}/retried.safetensors"
     data = b"retried" * 1000
     await write_object(make_store(), key, data, crc32c=crc(data))  # the front passes GETs only
 
-    faulty_front.failures, faulty_front.gets = 2, 0
+    s3_proxy.failures["GET"] = 2
+    s3_proxy.reset()
     assert await read_object(store, key) == data
-    assert faulty_front.gets == 3  # two answered SlowDown, the third went through
+    assert s3_proxy.count("GET") == 3  # two answered SlowDown, the third went through
     assert store.breaker.available
 
-    faulty_front.failures, faulty_front.gets = 3, 0
+    s3_proxy.failures["GET"] = 3
+    s3_proxy.reset()
     with pytest.raises(S3Unavailable, match="SlowDown"):
         await read_object(store, key)
-    assert faulty_front.gets == 3
+    assert s3_proxy.count("GET") == 3
     assert not store.breaker.available  # the breaker opened after the last attempt
 
 
 async def test_a_client_error_is_not_retried(
-    make_store: StoreFactory, faulty_front: FaultyFront
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
-    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
-    faulty_front.failures, faulty_front.status, faulty_front.gets = 1, 403, 0
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_max_attempts=3)
+    s3_proxy.failures["GET"], s3_proxy.status = 1, 403
+    s3_proxy.reset()
     with pytest.raises(S3Error) as caught:
         await read_object(store, f"{store.prefix}/forbidden.safetensors")
     assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
-    assert faulty_front.gets == 1
+    assert s3_proxy.count("GET") == 1

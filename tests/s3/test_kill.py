@@ -8,9 +8,9 @@ from pathlib import Path
 
 import httpx
 
+from testkit.entries import body
+from testkit.s3 import S3Endpoint
 from tests.s3.conftest import ServerFactory
-from tests.s3.harness import S3Endpoint
-from tests.support.entries import body
 
 
 def files(path: Path) -> list[Path]:

@@ -20,8 +20,8 @@ import trustme
 from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Unavailable
 from app.tiers.s3.loop_get import PIECE_BYTES
+from testkit.fault_proxy import FaultProxy
 from tests.s3.conftest import MiB, StoreFactory, read_object, write_object
-from tests.s3.harness import CountingProxy, FaultyFront
 
 pytestmark = pytest.mark.anyio
 
@@ -97,24 +97,24 @@ def scripted() -> Iterator[Callable[..., ScriptedServer]]:
 
 
 async def test_connections_are_kept_alive_and_reused(
-    make_store: StoreFactory, counting_proxy: CountingProxy
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
     writer = make_store()
-    store = make_store(s3_endpoint_url=counting_proxy.url)
+    store = make_store(s3_endpoint_url=s3_proxy.url)
     objects = {f"{writer.prefix}/{n}.safetensors": bytes([n]) * (n * 300_000 + 1) for n in range(3)}
     for key, data in objects.items():
         await write_object(writer, key, data, crc32c=crc(data))
     for key, data in objects.items():
         assert await read_object(store, key) == data
-    assert counting_proxy.count("GET") == 3
-    assert counting_proxy.connections == 1
+    assert s3_proxy.count("GET") == 3
+    assert s3_proxy.connections == 1
 
 
 async def test_a_body_closed_early_drops_its_connection(
-    make_store: StoreFactory, counting_proxy: CountingProxy
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
     writer = make_store()
-    store = make_store(s3_endpoint_url=counting_proxy.url)
+    store = make_store(s3_endpoint_url=s3_proxy.url)
     key = f"{writer.prefix}/big.safetensors"
     data = bytes(range(256)) * (3 * MiB // 256)
     await write_object(writer, key, data, crc32c=crc(data))
@@ -125,23 +125,23 @@ async def test_a_body_closed_early_drops_its_connection(
     assert data.startswith(first) and len(first) < len(data)
     # The rest of that body is not read into the next answer: a new connection serves it.
     assert await read_object(store, key) == data
-    assert counting_proxy.connections == 2
+    assert s3_proxy.connections == 2
 
 
 async def test_a_kept_alive_connection_closed_by_s3_is_replaced(
-    make_store: StoreFactory, counting_proxy: CountingProxy
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
     writer = make_store()
     # One attempt: the replaced connection must not count as a failed one.
-    store = make_store(s3_endpoint_url=counting_proxy.url, s3_max_attempts=1)
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_max_attempts=1)
     key = f"{writer.prefix}/again.safetensors"
     data = b"again" * 10_000
     await write_object(writer, key, data, crc32c=crc(data))
     assert await read_object(store, key) == data
-    counting_proxy.down = True  # cuts the kept-alive connection
-    counting_proxy.down = False
+    s3_proxy.down = True  # cuts the kept-alive connection
+    s3_proxy.down = False
     assert await read_object(store, key) == data
-    assert counting_proxy.connections == 2
+    assert s3_proxy.connections == 2
     assert store.breaker.available
 
 
@@ -198,7 +198,7 @@ async def test_tls_is_verified_as_boto3_verifies_it(
 
 
 async def test_behind_a_proxy_the_get_uses_botocores_transport(
-    make_store: StoreFactory, faulty_front: FaultyFront, monkeypatch: pytest.MonkeyPatch
+    make_store: StoreFactory, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     writer = make_store()
     key = f"{writer.prefix}/proxied.safetensors"
@@ -206,11 +206,11 @@ async def test_behind_a_proxy_the_get_uses_botocores_transport(
     await write_object(writer, key, data, crc32c=crc(data))
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HTTP_PROXY", faulty_front.url)
+    monkeypatch.setenv("HTTP_PROXY", s3_proxy.url)
     store = make_store()
-    faulty_front.gets = 0
+    s3_proxy.reset()
     assert await read_object(store, key) == data
-    assert faulty_front.gets == 1  # the front saw the GET, as a proxy
+    assert s3_proxy.count("GET") == 1  # the front saw the GET, as a proxy
 
 
 async def test_what_a_server_gets_wrong_about_the_framing(

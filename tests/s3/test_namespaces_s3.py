@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from app.namespaces import purge_id
+from testkit.entries import body, crc_hex
+from testkit.fault_proxy import FaultProxy
+from testkit.s3 import S3Endpoint
+from testkit.server import ServerProcess
 from tests.s3.conftest import ServerFactory
-from tests.s3.harness import CountingProxy, S3Endpoint
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
 
 
 def _put(url: str, model: str, dtype: str, hash_: str, seed: int = 0) -> bytes:
@@ -160,12 +161,12 @@ def test_purge_killed_midway_finishes_after_restart(
 
 def test_purge_drops_pending_write_back_uploads_and_waits_out_an_outage(
     make_server: ServerFactory,
-    counting_proxy: CountingProxy,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
-    srv = make_server("a", endpoint_url=counting_proxy.url, write_mode="write-back")
-    counting_proxy.down = True  # uploads cannot leave: they wait in the journal
+    srv = make_server("a", endpoint_url=s3_proxy.url, write_mode="write-back")
+    s3_proxy.down = True  # uploads cannot leave: they wait in the journal
     data = body((3, 4), "F16", 2, seed=3)
     response = httpx.put(f"{srv.url}/ec/wb/float16/pending", content=data)
     assert response.status_code == 201, response.text
@@ -196,7 +197,7 @@ def test_purge_drops_pending_write_back_uploads_and_waits_out_an_outage(
         assert time.monotonic() < deadline
         time.sleep(0.1)
 
-    counting_proxy.down = False
+    s3_proxy.down = False
     job = _wait_done(srv, "wb")
     assert job["disk_entries"] == 1
     assert job["last_error"] is None

@@ -20,8 +20,10 @@ from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_to_b64
 from app.tiers.s3.readiness import check_ready, ensure_bucket
 from app.tiers.s3.signed_get import FIRST_READ_BYTES
 from app.tiers.s3.transfers import put_file
+from testkit.fault_proxy import FaultProxy
+from testkit.ports import free_ports
+from testkit.s3 import S3Endpoint
 from tests.s3.conftest import MiB, S3Control, StoreFactory, read_object, write_object
-from tests.s3.harness import CountingProxy, S3Endpoint, free_ports
 
 pytestmark = pytest.mark.anyio
 
@@ -106,16 +108,16 @@ async def test_object_within_the_first_read(make_store: StoreFactory) -> None:
 async def test_multipart_above_threshold(
     make_store: StoreFactory,
     s3_endpoint: S3Endpoint,
-    counting_proxy: CountingProxy,
+    s3_proxy: FaultProxy,
     tmp_file: Callable[[bytes], Path],
 ) -> None:
     # 20 MB with an 8 MiB threshold and 5 MiB parts: 4 parts, each with its own CRC32C.
-    store = make_store(s3_endpoint_url=counting_proxy.url)
+    store = make_store(s3_endpoint_url=s3_proxy.url)
     data = sample(20_000_000, seed=1)
     key = key_for(store, "m", "bfloat16", "multipart")
     await put_file(store, key, tmp_file(data), crc32c=crc(data))
 
-    parts = [path for method, path in counting_proxy.snapshot() if method == "PUT"]
+    parts = [path for method, path in s3_proxy.snapshot() if method == "PUT"]
     assert len(parts) == 4 and all("partNumber=" in path for path in parts)
     info = await store.head(key)
     assert info is not None
@@ -261,9 +263,9 @@ async def test_s3_stopped_then_restarted(make_store: StoreFactory, s3_control: S
 
 
 async def test_connection_cut_mid_body_is_unavailable(
-    make_store: StoreFactory, counting_proxy: CountingProxy
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
-    store = make_store(s3_endpoint_url=counting_proxy.url, s3_get_chunk_size=64 * 1024)
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_get_chunk_size=64 * 1024)
     data = sample(8 * MiB, seed=3)
     key = key_for(store, "m", "uint8", "cut")
     await write_object(store, key, data, crc32c=crc(data))
@@ -272,5 +274,5 @@ async def test_connection_cut_mid_body_is_unavailable(
     with pytest.raises(S3Unavailable):
         async with contextlib.aclosing(download):
             async for _ in download.chunks():
-                counting_proxy.down = True
+                s3_proxy.down = True
     assert not store.breaker.available  # breaker opened by the broken body

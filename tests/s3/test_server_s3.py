@@ -16,10 +16,12 @@ from collections.abc import Callable
 
 import httpx
 
+from testkit.entries import body, crc_hex
+from testkit.fault_proxy import FaultProxy
+from testkit.ports import free_ports
+from testkit.s3 import S3Endpoint
+from testkit.server import ServerProcess
 from tests.s3.conftest import S3Control, ServerFactory
-from tests.s3.harness import CountingProxy, S3Endpoint, free_ports
-from tests.support.entries import body, crc_hex
-from tests.support.server import ServerProcess
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -134,13 +136,13 @@ def test_disk_copies_of_s3_entries_are_not_synced(make_server: ServerFactory) ->
 
 
 def test_head_on_disk_miss_never_downloads(
-    make_server: ServerFactory, counting_proxy: CountingProxy
+    make_server: ServerFactory, s3_proxy: FaultProxy
 ) -> None:
     a = client_for(make_server("a"))
     data = entry(3000, seed=2)  # ~6 MB
     assert put(a, "h2", data).status_code == 201
-    b = client_for(make_server("b", endpoint_url=counting_proxy.url))
-    counting_proxy.reset()
+    b = client_for(make_server("b", endpoint_url=s3_proxy.url))
+    s3_proxy.reset()
     resp = b.head(url("h2"))
     assert resp.status_code == 200
     assert resp.headers["X-EC-Tier"] == "s3"
@@ -148,14 +150,14 @@ def test_head_on_disk_miss_never_downloads(
     assert resp.headers["X-EC-CRC32C"] == crc_hex(data)
     assert resp.headers["X-EC-Shape"] == "3000,1024"
     assert resp.headers["ETag"] == f'"{crc_hex(data)}"'
-    assert counting_proxy.count("HEAD", "h2") == 1
-    assert counting_proxy.count("GET", "h2") == 0
+    assert s3_proxy.count("HEAD", "h2") == 1
+    assert s3_proxy.count("GET", "h2") == 0
     assert b.head(url("absent")).status_code == 404
 
 
 def test_objects_written_by_other_tools(
     make_server: ServerFactory,
-    counting_proxy: CountingProxy,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
@@ -174,16 +176,16 @@ def test_objects_written_by_other_tools(
     client.put_object(
         Bucket=s3_endpoint.bucket, Key=f"{base}/foreign-plain.safetensors", Body=without
     )
-    b = client_for(make_server("b", endpoint_url=counting_proxy.url))
+    b = client_for(make_server("b", endpoint_url=s3_proxy.url))
 
     # An S3 CRC32C but no ec-* metadata: HEAD reads only the safetensors header.
-    counting_proxy.reset()
+    s3_proxy.reset()
     resp = b.head(url("foreign-crc"))
     assert resp.status_code == 200, resp.text
     assert resp.headers["X-EC-CRC32C"] == crc_hex(with_crc)
     assert resp.headers["X-EC-Shape"] == "700,1024"
     assert resp.headers["X-EC-Tier"] == "s3"
-    ranged = [p for m, p in counting_proxy.snapshot() if m == "GET"]
+    ranged = [p for m, p in s3_proxy.snapshot() if m == "GET"]
     assert len(ranged) == 1  # the header, by a ranged GET (checked: not the whole body)
     assert int(metric(b, "ec_s3_bytes_total", direction="down")) < 70_000
     got = b.get(url("foreign-crc"))
@@ -223,20 +225,18 @@ def test_delete_removes_from_both_tiers(
     assert a.head(url("gone")).status_code == 404
 
 
-def test_large_entry_goes_up_as_multipart(
-    make_server: ServerFactory, counting_proxy: CountingProxy
-) -> None:
+def test_large_entry_goes_up_as_multipart(make_server: ServerFactory, s3_proxy: FaultProxy) -> None:
     a = client_for(
         make_server(
             "a",
-            endpoint_url=counting_proxy.url,
+            endpoint_url=s3_proxy.url,
             s3_multipart_threshold="8MiB",
             s3_multipart_part_size="5MiB",
         )
     )
     data = entry(10_000, seed=4)  # ~20 MB: 4 parts
     assert put(a, "big", data).status_code == 201
-    parts = [p for m, p in counting_proxy.snapshot() if m == "PUT" and "partNumber=" in p]
+    parts = [p for m, p in s3_proxy.snapshot() if m == "PUT" and "partNumber=" in p]
     assert len(parts) == 4
     b = client_for(make_server("b"))
     got = b.get(url("big"))
@@ -247,14 +247,14 @@ def test_large_entry_goes_up_as_multipart(
 
 
 def test_concurrent_misses_make_one_s3_request(
-    make_server: ServerFactory, counting_proxy: CountingProxy
+    make_server: ServerFactory, s3_proxy: FaultProxy
 ) -> None:
     a = client_for(make_server("a"))
     data = entry(15_000, seed=5)  # ~30 MB
     assert put(a, "sf", data).status_code == 201
 
-    srv = make_server("b", endpoint_url=counting_proxy.url, s3_get_chunk_size="1MiB")
-    counting_proxy.reset()
+    srv = make_server("b", endpoint_url=s3_proxy.url, s3_get_chunk_size="1MiB")
+    s3_proxy.reset()
     n = 8
     barrier = threading.Barrier(n)
     results: list[tuple[int, str, bytes] | BaseException] = []
@@ -285,7 +285,7 @@ def test_concurrent_misses_make_one_s3_request(
         assert not isinstance(result, BaseException), result
         status, _, content = result
         assert status == 200 and content == data
-    assert counting_proxy.count("GET", "/sf.safetensors") == 1, counting_proxy.snapshot()
+    assert s3_proxy.count("GET", "/sf.safetensors") == 1, s3_proxy.snapshot()
     b = client_for(srv)
     joins = metric(b, "ec_s3_singleflight_joins_total")
     from_s3 = sum(1 for r in results if not isinstance(r, BaseException) and r[1] == "s3")
@@ -293,12 +293,12 @@ def test_concurrent_misses_make_one_s3_request(
 
 
 def test_slow_or_vanished_client_does_not_hold_the_fill(
-    make_server: ServerFactory, counting_proxy: CountingProxy
+    make_server: ServerFactory, s3_proxy: FaultProxy
 ) -> None:
     a = client_for(make_server("a"))
     data = entry(10_000, seed=12)  # ~20 MB
     assert put(a, "slow", data).status_code == 201
-    b_srv = make_server("b", endpoint_url=counting_proxy.url, s3_get_chunk_size="1MiB")
+    b_srv = make_server("b", endpoint_url=s3_proxy.url, s3_get_chunk_size="1MiB")
     b = client_for(b_srv)
     with b.stream("GET", url("slow")) as resp:
         assert resp.headers["X-EC-Tier"] == "s3"
@@ -328,8 +328,8 @@ def test_slow_or_vanished_client_does_not_hold_the_fill(
     )
     got = b.get(url("left"))
     assert got.headers["X-EC-Tier"] == "disk" and got.content == other
-    assert counting_proxy.count("GET", "/slow.safetensors") == 1
-    assert counting_proxy.count("GET", "/left.safetensors") == 1
+    assert s3_proxy.count("GET", "/slow.safetensors") == 1
+    assert s3_proxy.count("GET", "/left.safetensors") == 1
 
 
 # ------------------------------------------------------------------ write-back
@@ -337,12 +337,12 @@ def test_slow_or_vanished_client_does_not_hold_the_fill(
 
 def test_write_back_upload_survives_kill_9(
     make_server: ServerFactory,
-    counting_proxy: CountingProxy,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
-    counting_proxy.down = True  # S3 unreachable: uploads must wait in the queue
-    srv = make_server("a", endpoint_url=counting_proxy.url, write_mode="write-back")
+    s3_proxy.down = True  # S3 unreachable: uploads must wait in the queue
+    srv = make_server("a", endpoint_url=s3_proxy.url, write_mode="write-back")
     a = client_for(srv)
     data = entry(800, seed=6)
     assert put(a, "wb", data).status_code == 201  # on disk only
@@ -353,7 +353,7 @@ def test_write_back_upload_survives_kill_9(
     assert s3_endpoint.list_keys(s3_prefix + "/") == []
 
     srv.kill()  # SIGKILL: nothing gets a chance to flush
-    counting_proxy.down = False
+    s3_proxy.down = False
     srv.start()
     key = f"{s3_prefix}/{MODEL}/float16/wb.safetensors"
     wait_for(lambda: s3_endpoint.list_keys(s3_prefix + "/") == [key], 20, "the upload")
@@ -366,15 +366,15 @@ def test_write_back_upload_survives_kill_9(
 
 def test_write_back_drains_at_shutdown(
     make_server: ServerFactory,
-    counting_proxy: CountingProxy,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
-    counting_proxy.down = True
+    s3_proxy.down = True
     # The failed upload's next retry is far off, so only the drain can send it.
     srv = make_server(
         "a",
-        endpoint_url=counting_proxy.url,
+        endpoint_url=s3_proxy.url,
         write_mode="write-back",
         writeback_retry_min="60",
         writeback_retry_max="60",
@@ -390,7 +390,7 @@ def test_write_back_drains_at_shutdown(
         30,
         "the first upload attempt to fail",
     )
-    counting_proxy.down = False
+    s3_proxy.down = False
     time.sleep(0.2)  # past the S3 cool-down, or the drain's attempt fails fast
     srv.stop()  # SIGTERM: the pending upload gets EC_WRITEBACK_DRAIN_TIMEOUT to finish
     assert s3_endpoint.list_keys(s3_prefix + "/") == [
@@ -401,13 +401,13 @@ def test_write_back_drains_at_shutdown(
 
 
 def test_write_back_queue_bound_never_drops(
-    make_server: ServerFactory, counting_proxy: CountingProxy, s3_endpoint: S3Endpoint
+    make_server: ServerFactory, s3_proxy: FaultProxy, s3_endpoint: S3Endpoint
 ) -> None:
-    counting_proxy.down = True
+    s3_proxy.down = True
     a = client_for(
         make_server(
             "a",
-            endpoint_url=counting_proxy.url,
+            endpoint_url=s3_proxy.url,
             write_mode="write-back",
             writeback_queue_max_entries="2",
             writeback_queue_max_bytes="10MiB",
@@ -428,7 +428,7 @@ def test_write_back_queue_bound_never_drops(
         got = a.get(url(f"q{i}"))
         assert got.headers["X-EC-Tier"] == "disk" and got.content == bodies[i]
 
-    counting_proxy.down = False
+    s3_proxy.down = False
     wait_for(lambda: metric(a, "ec_s3_upload_queue_depth") == 0, 20, "the queue to drain")
     assert metric(a, "ec_s3_uploads_total", outcome="ok") == 2
     assert a.get("/stats").json()["disk"]["evictions"] >= 1  # unpinned: bound applies
@@ -477,21 +477,21 @@ def test_s3_stopped_then_restarted(
 
 def test_put_during_outage_leaves_nothing(
     make_server: ServerFactory,
-    counting_proxy: CountingProxy,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
     srv = make_server(
         "a",
-        endpoint_url=counting_proxy.url,
+        endpoint_url=s3_proxy.url,
         s3_multipart_threshold="5MiB",
         s3_multipart_part_size="5MiB",
     )
     a = client_for(srv)
-    counting_proxy.down = True
+    s3_proxy.down = True
     resp = put(a, "partial", entry(5000, seed=9))  # ~10 MB: would be multipart
     assert resp.status_code == 503
-    counting_proxy.down = False
+    s3_proxy.down = False
     assert s3_endpoint.list_keys(s3_prefix + "/") == []
     assert list((srv.data_dir / "objects").rglob("*.safetensors")) == []
     wait_for(lambda: a.get(url("partial")).status_code == 404, 10, "S3 to be reachable")

@@ -16,8 +16,9 @@ from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Error, S3Unavailable
 from app.tiers.s3.objects import crc32c_to_b64
 from app.tiers.s3.transfers import object_metadata, put_file
+from testkit.fault_proxy import FaultProxy
+from testkit.s3 import S3Endpoint
 from tests.s3.conftest import MiB, StoreFactory, read_object, write_object
-from tests.s3.harness import FaultyFront, S3Endpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -30,9 +31,9 @@ def comparable(headers: dict[str, str]) -> dict[str, str]:
 
 
 async def test_the_request_is_the_one_put_object_sends(
-    make_store: StoreFactory, s3_endpoint: S3Endpoint, faulty_front: FaultyFront
+    make_store: StoreFactory, s3_endpoint: S3Endpoint, s3_proxy: FaultProxy
 ) -> None:
-    store = make_store(s3_endpoint_url=faulty_front.url)
+    store = make_store(s3_endpoint_url=s3_proxy.url)
     data = os.urandom(MiB + 17)  # above 1 MiB: both ask for 100 Continue
     key = f"{store.prefix}/same-request.safetensors"
     metadata = object_metadata(crc(data), {"Origin": "test"})
@@ -55,7 +56,7 @@ async def test_the_request_is_the_one_put_object_sends(
         ChecksumCRC32C=crc32c_to_b64(crc(data)),
         Metadata=metadata,
     )
-    ours, boto3s = faulty_front.put_headers
+    ours, boto3s = s3_proxy.headers_of("PUT")
     assert comparable(ours) == comparable(boto3s)
     assert ours["Expect"] == "100-continue"
     assert "x-amz-checksum-crc32c" in ours["Authorization"]  # the checksum is signed
@@ -63,7 +64,7 @@ async def test_the_request_is_the_one_put_object_sends(
 
     small = b"small" * 100  # no 100 Continue round trip for it, where boto3 asks one
     await write_object(store, key, small, crc32c=crc(small))
-    assert "Expect" not in faulty_front.put_headers[-1]
+    assert "Expect" not in s3_proxy.headers_of("PUT")[-1]
     assert await read_object(store, key) == small
 
 
@@ -85,47 +86,49 @@ async def test_keys_that_need_percent_encoding_read_back(
 
 
 async def test_throttling_is_retried_with_the_body_sent_again(
-    make_store: StoreFactory, faulty_front: FaultyFront, tmp_file: Callable[[bytes], Path]
+    make_store: StoreFactory, s3_proxy: FaultProxy, tmp_file: Callable[[bytes], Path]
 ) -> None:
-    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_max_attempts=3)
     data = os.urandom(3 * MiB + 5)
     key = f"{store.prefix}/retried.safetensors"
 
-    faulty_front.put_failures = 2  # SlowDown, read whole before it is answered
+    s3_proxy.failures["PUT"] = 2  # SlowDown, read whole before it is answered
     await put_file(store, key, tmp_file(data), crc32c=crc(data))
-    assert len(faulty_front.put_headers) == 3
+    assert len(s3_proxy.headers_of("PUT")) == 3
     assert await read_object(store, key) == data  # sent whole again from its start
     assert store.breaker.available
 
     small = b"retried bytes" * 100
-    faulty_front.put_failures, faulty_front.put_headers = 1, []
+    s3_proxy.failures["PUT"] = 1
+    s3_proxy.reset()
     await write_object(store, key, small, crc32c=crc(small))
-    assert len(faulty_front.put_headers) == 2
+    assert len(s3_proxy.headers_of("PUT")) == 2
     assert await read_object(store, key) == small
 
-    faulty_front.put_failures, faulty_front.put_headers = 3, []
+    s3_proxy.failures["PUT"] = 3
+    s3_proxy.reset()
     with pytest.raises(S3Unavailable, match="SlowDown"):
         await write_object(store, key, data, crc32c=crc(data))
-    assert len(faulty_front.put_headers) == 3
+    assert len(s3_proxy.headers_of("PUT")) == 3
     assert not store.breaker.available  # the breaker opened after the last attempt
     assert await read_object(make_store(), key) == small  # the failed upload changed nothing
 
 
 async def test_a_client_error_is_not_retried(
-    make_store: StoreFactory, faulty_front: FaultyFront
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
-    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
-    faulty_front.put_failures, faulty_front.status = 1, 403
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_max_attempts=3)
+    s3_proxy.failures["PUT"], s3_proxy.status = 1, 403
     data = b"forbidden" * 10
     with pytest.raises(S3Error) as caught:
         await write_object(store, f"{store.prefix}/forbidden.safetensors", data, crc32c=crc(data))
     assert caught.value.status == 403 and not isinstance(caught.value, S3Unavailable)
-    assert len(faulty_front.put_headers) == 1
+    assert len(s3_proxy.headers_of("PUT")) == 1
     assert store.breaker.available  # it answered
 
 
 async def test_a_body_that_cannot_be_rewound_gets_one_attempt(
-    make_store: StoreFactory, faulty_front: FaultyFront
+    make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
     class OneWay(io.RawIOBase):
         """A body that can be read once, as a streaming upload's pipe."""
@@ -139,8 +142,8 @@ async def test_a_body_that_cannot_be_rewound_gets_one_attempt(
         def read(self, size: int = -1) -> bytes:
             return self._data.read(size)
 
-    store = make_store(s3_endpoint_url=faulty_front.url, s3_max_attempts=3)
-    faulty_front.put_failures = 1
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_max_attempts=3)
+    s3_proxy.failures["PUT"] = 1
     data = os.urandom(200_000)
     with pytest.raises(S3Unavailable, match="SlowDown"):
         await store.call(
@@ -154,7 +157,7 @@ async def test_a_body_that_cannot_be_rewound_gets_one_attempt(
                 metadata={},
             ),
         )
-    assert len(faulty_front.put_headers) == 1
+    assert len(s3_proxy.headers_of("PUT")) == 1
 
 
 async def test_a_wrong_secret_is_a_credentials_error_not_retried(
@@ -170,17 +173,17 @@ async def test_a_wrong_secret_is_a_credentials_error_not_retried(
 
 async def test_uploads_go_through_a_proxy(
     make_store: StoreFactory,
-    faulty_front: FaultyFront,
+    s3_proxy: FaultProxy,
     tmp_file: Callable[[bytes], Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HTTP_PROXY", faulty_front.url)
+    monkeypatch.setenv("HTTP_PROXY", s3_proxy.url)
     store = make_store()  # boto3's transport picks the proxy up, as for every call
     data = os.urandom(2 * MiB + 3)
     key = f"{store.prefix}/proxied.safetensors"
     await put_file(store, key, tmp_file(data), crc32c=crc(data))
-    assert len(faulty_front.put_headers) == 1  # the front saw the PUT, as a proxy
+    assert len(s3_proxy.headers_of("PUT")) == 1  # the front saw the PUT, as a proxy
     monkeypatch.delenv("HTTP_PROXY")
     assert await read_object(make_store(), key) == data

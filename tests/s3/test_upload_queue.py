@@ -17,7 +17,7 @@ from app.keys import EntryKey
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
-from tests.support.entries import body
+from testkit.entries import body
 
 pytestmark = pytest.mark.anyio
 
@@ -46,7 +46,16 @@ class FakeS3:
         self.deleted.append(key)
 
 
-def make_queue(root: Path, disk: DiskTier, s3: FakeS3, **kw: int | float) -> UploadQueue:
+def make_queue(
+    root: Path,
+    disk: DiskTier,
+    s3: FakeS3,
+    *,
+    upload: Callable[[PendingUpload], Awaitable[None]] | None = None,
+    delete: Callable[[EntryKey], Awaitable[None]] | None = None,
+    **kw: int | float,
+) -> UploadQueue:
+    """A queue on ``s3``'s upload and delete (or those given), small bounds and retries."""
     options: dict[str, int | float] = {
         "max_entries": 10,
         "max_bytes": 10 << 20,
@@ -58,8 +67,8 @@ def make_queue(root: Path, disk: DiskTier, s3: FakeS3, **kw: int | float) -> Upl
     return UploadQueue(
         root,
         disk,
-        s3.upload,
-        s3.delete,
+        upload or s3.upload,
+        delete or s3.delete,
         registry=CollectorRegistry(),
         **options,  # type: ignore[arg-type]
     )
@@ -144,17 +153,8 @@ async def test_entry_gone_is_dropped_not_retried(tmp_path: Path, disk: DiskTier)
         calls += 1
         raise EntryGone("deleted")
 
-    queue = UploadQueue(
-        tmp_path,
-        disk,
-        upload,
-        FakeS3().delete,
-        max_entries=10,
-        max_bytes=1 << 20,
-        workers=1,
-        retry_min=0.05,
-        retry_max=0.1,
-        registry=CollectorRegistry(),
+    queue = make_queue(
+        tmp_path, disk, FakeS3(), upload=upload, max_bytes=1 << 20, workers=1, retry_max=0.1
     )
     await queue.start()
     try:
@@ -212,17 +212,15 @@ async def test_a_delete_during_an_upload_is_sent_after_it_until_s3_confirms(
     started, finish = asyncio.Event(), asyncio.Event()
     outcome: list[BaseException | None] = [ConnectionError("timed out") if upload_fails else None]
     s3 = FakeS3(delete_failures=1)
-    queue = UploadQueue(
+    queue = make_queue(
         tmp_path,
         disk,
-        blocking_upload(started, finish, outcome),
-        s3.delete,
-        max_entries=10,
+        s3,
+        upload=blocking_upload(started, finish, outcome),
         max_bytes=1 << 20,
         workers=1,
         retry_min=0.01,
         retry_max=0.01,
-        registry=CollectorRegistry(),
     )
     await queue.start()
     try:
@@ -272,17 +270,15 @@ async def test_a_put_after_a_delete_is_uploaded_after_the_delete(
         order.append("delete")
 
     disk2 = DiskTier(tmp_path, 1 << 20)
-    queue2 = UploadQueue(
+    queue2 = make_queue(
         tmp_path,
         disk2,
-        upload,
-        delete,
-        max_entries=10,
+        FakeS3(),
+        upload=upload,
+        delete=delete,
         max_bytes=1 << 20,
-        workers=2,
         retry_min=0.01,
         retry_max=0.01,
-        registry=CollectorRegistry(),
     )
     assert queue2.load() == 1
     disk2.rebuild()

@@ -1,7 +1,7 @@
 """Write-back DELETEs and purges racing an upload in flight, with S3 deletes failing,
 across a SIGKILL: what was deleted is never served again, and S3 ends up without it.
 
-A ``FaultyFront`` between the server and SeaweedFS holds the write-back upload in
+A ``FaultProxy`` between the server and SeaweedFS holds the write-back upload in
 flight (``put_gate``) and fails S3 DELETEs on demand: three in a row fail one call
 (botocore retries a 503 twice with ``EC_S3_MAX_ATTEMPTS=2``), so the queue retries."""
 
@@ -13,10 +13,11 @@ from typing import Any
 
 import httpx
 
+from testkit.entries import body
+from testkit.fault_proxy import FaultProxy
+from testkit.s3 import S3Endpoint
+from testkit.server import ServerProcess
 from tests.s3.conftest import ServerFactory
-from tests.s3.harness import FaultyFront, S3Endpoint
-from tests.support.entries import body
-from tests.support.server import ServerProcess
 
 MODEL = "wb/model"
 BIG = 2 * 1024 * 1024
@@ -38,7 +39,7 @@ def _object(s3_prefix: str, model: str, name: str) -> str:
     return f"{s3_prefix}/{model}/uint8/{name}.safetensors"
 
 
-def _held_upload(srv: ServerProcess, front: FaultyFront, path: str, data: bytes) -> None:
+def _held_upload(srv: ServerProcess, front: FaultProxy, path: str, data: bytes) -> None:
     """PUT ``data`` (201 from disk) and wait until its upload is held in flight."""
     front.put_gate.clear()
     assert httpx.put(srv.url + path, content=data, timeout=30).status_code == 201
@@ -56,20 +57,20 @@ def _not_served(srv: ServerProcess, name: str) -> None:
 
 def test_a_delete_during_an_upload_is_not_undone_by_it(
     make_server: ServerFactory,
-    faulty_front: FaultyFront,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
-    srv = make_server("a", endpoint_url=faulty_front.url, write_mode="write-back")
-    _held_upload(srv, faulty_front, f"/ec/{MODEL}/uint8/raced", body((BIG,), "U8", 1))
+    srv = make_server("a", endpoint_url=s3_proxy.url, write_mode="write-back")
+    _held_upload(srv, s3_proxy, f"/ec/{MODEL}/uint8/raced", body((BIG,), "U8", 1))
     assert httpx.delete(f"{srv.url}/ec/{MODEL}/uint8/raced").status_code == 204
     _not_served(srv, "raced")
     assert _queue(srv)["deletes"] == 1
 
-    faulty_front.delete_failures = 3  # the delete after the upload fails once
-    faulty_front.put_gate.set()  # the upload completes: the object is in S3 a moment
+    s3_proxy.failures["DELETE"] = 3  # the delete after the upload fails once
+    s3_proxy.put_gate.set()  # the upload completes: the object is in S3 a moment
     _wait(lambda: _queue(srv)["entries"] == 0, "the delete to be confirmed")
-    assert faulty_front.deletes >= 4 and faulty_front.delete_failures == 0
+    assert s3_proxy.count("DELETE") >= 4 and s3_proxy.failures["DELETE"] == 0
     _not_served(srv, "raced")
     assert s3_endpoint.list_keys(s3_prefix + "/") == []
     assert "deleted while its upload is in flight" in srv.log_path.read_text()
@@ -77,19 +78,19 @@ def test_a_delete_during_an_upload_is_not_undone_by_it(
 
 def test_a_delete_owed_survives_kill_9_and_a_put_after_it_wins(
     make_server: ServerFactory,
-    faulty_front: FaultyFront,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
-    srv = make_server("a", endpoint_url=faulty_front.url, write_mode="write-back")
+    srv = make_server("a", endpoint_url=s3_proxy.url, write_mode="write-back")
     old = body((BIG,), "U8", 1, seed=1)
-    _held_upload(srv, faulty_front, f"/ec/{MODEL}/uint8/killed", old)
+    _held_upload(srv, s3_proxy, f"/ec/{MODEL}/uint8/killed", old)
     assert httpx.delete(f"{srv.url}/ec/{MODEL}/uint8/killed").status_code == 204
-    faulty_front.delete_failures = 10**6  # S3 refuses every delete from now on
-    faulty_front.put_gate.set()
+    s3_proxy.failures["DELETE"] = 10**6  # S3 refuses every delete from now on
+    s3_proxy.put_gate.set()
     key = _object(s3_prefix, MODEL, "killed")
     _wait(lambda: s3_endpoint.list_keys(s3_prefix + "/") == [key], "the upload to land")
-    _wait(lambda: faulty_front.deletes >= 2, "a delete to be refused")
+    _wait(lambda: s3_proxy.count("DELETE") >= 2, "a delete to be refused")
 
     srv.kill()  # the delete is owed only in the journal now
     srv.start()
@@ -100,21 +101,21 @@ def test_a_delete_owed_survives_kill_9_and_a_put_after_it_wins(
     assert put.status_code == 201
     assert httpx.get(f"{srv.url}/ec/{MODEL}/uint8/killed").content == new  # from disk
 
-    faulty_front.delete_failures = 0
+    s3_proxy.failures["DELETE"] = 0
     _wait(lambda: _queue(srv)["entries"] == 0, "the delete, then the new upload")
-    replica = make_server("b", endpoint_url=faulty_front.url, write_mode="write-back")
+    replica = make_server("b", endpoint_url=s3_proxy.url, write_mode="write-back")
     got = httpx.get(f"{replica.url}/ec/{MODEL}/uint8/killed", timeout=30)
     assert got.headers["x-ec-tier"] == "s3" and got.content == new
 
 
 def test_a_purge_waits_for_an_upload_in_flight(
     make_server: ServerFactory,
-    faulty_front: FaultyFront,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
-    srv = make_server("a", endpoint_url=faulty_front.url, write_mode="write-back")
-    _held_upload(srv, faulty_front, f"/ec/{MODEL}/uint8/purged", body((BIG,), "U8", 1))
+    srv = make_server("a", endpoint_url=s3_proxy.url, write_mode="write-back")
+    _held_upload(srv, s3_proxy, f"/ec/{MODEL}/uint8/purged", body((BIG,), "U8", 1))
     started = httpx.post(srv.url + "/namespaces/purge", json={"model": MODEL})
     assert started.status_code == 202
 
@@ -126,8 +127,8 @@ def test_a_purge_waits_for_an_upload_in_flight(
         lambda: job()["state"] == "done" or "a purge waits for 1" in srv.log_path.read_text(),
         "the purge to finish or to wait for the upload",
     )
-    faulty_front.delete_failures = 3  # the object's own delete fails once
-    faulty_front.put_gate.set()
+    s3_proxy.failures["DELETE"] = 3  # the object's own delete fails once
+    s3_proxy.put_gate.set()
     _wait(lambda: job()["state"] == "done", "the purge")
     _wait(lambda: _queue(srv)["entries"] == 0, "the queue to empty")
     _not_served(srv, "purged")

@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit.entries import crc_hex
+from testkit.fault_proxy import FaultProxy
+from testkit.s3 import S3Endpoint
 from tests.s3.conftest import MiB, ServerFactory
-from tests.s3.harness import CountingProxy, S3Endpoint
 from tests.s3.test_server_s3 import client_for, entry, metric, put, url, wait_for
-from tests.support.entries import crc_hex
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -69,22 +70,22 @@ def test_streamed_put_stores_the_same_bytes_in_both_tiers(
 
 def test_upload_starts_before_the_body_is_received(
     make_server: ServerFactory,
-    counting_proxy: CountingProxy,
+    s3_proxy: FaultProxy,
     s3_endpoint: S3Endpoint,
     s3_prefix: str,
 ) -> None:
     """The client holds back the second half of its body until S3 has seen the PUT
     request: with the upload after the receive this would never happen."""
-    srv = make_server("a", endpoint_url=counting_proxy.url)
+    srv = make_server("a", endpoint_url=s3_proxy.url)
     a = client_for(srv)
     data = entry(2000, seed=4)
     half = len(data) // 2
-    counting_proxy.reset()
+    s3_proxy.reset()
 
     def body() -> Iterator[bytes]:
         yield data[:half]
         deadline = time.monotonic() + 20
-        while counting_proxy.count("PUT", contains="/s2.safetensors") == 0:
+        while s3_proxy.count("PUT", contains="/s2.safetensors") == 0:
             if time.monotonic() > deadline:
                 raise AssertionError("S3 saw no PUT while the body was still coming")
             time.sleep(0.01)

@@ -12,7 +12,7 @@ from app.keys import EntryKey
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier, NamespaceUsage
 from app.tiers.disk import keys_log as keys_log_module
-from tests.support.entries import body
+from testkit.entries import body
 
 
 def _put(tier: DiskTier, model: str, dtype: str, hash_: str, n: int = 8) -> int:

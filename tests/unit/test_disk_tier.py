@@ -12,7 +12,7 @@ from app.keys import EntryKey
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.disk import pending as pending_module
-from tests.support.entries import body
+from testkit.entries import body
 
 
 def _key(name: str) -> EntryKey:
@@ -345,6 +345,18 @@ def test_group_commit_first_writer_wins_within_a_batch(tmp_path: Path) -> None:
     tier.close()
 
 
+def _fail_fdatasync_of(monkeypatch: pytest.MonkeyPatch, bad_fd: int) -> None:
+    """``os.fdatasync`` fails with EIO for ``bad_fd`` and works for every other one."""
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        if fd == bad_fd:
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+
+
 def test_group_commit_loser_takes_over_when_the_winner_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -354,15 +366,7 @@ def test_group_commit_loser_takes_over_when_the_winner_fails(
     tier.rebuild()
     first, second, third = (body((100,), "U8", 1, seed=i) for i in (1, 2, 3))
     a, b, c = (_begin(tier, "same", data) for data in (first, second, third))
-    bad_fd = a.fd
-    real = os.fdatasync
-
-    def failing(fd: int) -> None:
-        if fd == bad_fd:
-            raise OSError(5, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", failing)
+    _fail_fdatasync_of(monkeypatch, a.fd)
     fa, fb, fc = (
         pending.submit(crc32c(data), validate_body(data, "uint8"))
         for pending, data in ((a, first), (b, second), (c, third))
@@ -387,15 +391,7 @@ def test_group_commit_failure_fails_only_its_upload(
     tier.rebuild()
     bodies = {f"k{i}": body((300,), "U8", 1, seed=i) for i in range(3)}
     pendings = {name: _begin(tier, name, data) for name, data in bodies.items()}
-    bad_fd = pendings["k1"].fd
-    real = os.fdatasync
-
-    def failing(fd: int) -> None:
-        if fd == bad_fd:
-            raise OSError(5, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", failing)
+    _fail_fdatasync_of(monkeypatch, pendings["k1"].fd)
     futures = {
         name: pendings[name].submit(crc32c(data), validate_body(data, "uint8"))
         for name, data in bodies.items()

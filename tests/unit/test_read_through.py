@@ -23,7 +23,7 @@ from app.tiers import read_through
 from app.tiers.base import Backend, RemoteInfo, RemotePut
 from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.read_through import ReadThrough
-from tests.support.entries import body
+from testkit.entries import body
 
 pytestmark = pytest.mark.anyio
 

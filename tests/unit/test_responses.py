@@ -9,7 +9,7 @@ from typing import Any
 from app.responses import EntryResponse
 from app.safetensors_format import validate_body
 from app.tiers.base import EntryBody, EntryInfo
-from tests.support.entries import body
+from testkit.entries import body
 
 
 def test_a_streamed_body_stops_when_the_client_is_gone() -> None:

@@ -11,7 +11,7 @@ from app.checksum import crc32c
 from app.errors import BodyTooLarge, ChecksumMismatch, DtypeMismatch, InvalidBody
 from app.keys import DTYPES
 from app.safetensors_format import MAX_HEADER_BYTES, BodyValidator, validate_body
-from tests.support.entries import body
+from testkit.entries import body
 
 
 def _feed_all(

@@ -5,66 +5,30 @@ Run with the dedicated environment (scripts/setup-vllm-venv.sh)::
 
     .venv-vllm/bin/python -m pytest tests/vllm
 
-The server runs with the server's own interpreter: ``$EC_CACHE_SERVER_PYTHON``, else
-``<repo>/.venv/bin/python``, else this interpreter when it can import the server.
+The server runs with the server's own interpreter (``testkit.server.server_python``:
+``$EC_SERVER_PYTHON``, else ``<repo>/.venv/bin/python``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
+from testkit.ports import free_port
+from testkit.server import ServerProcess
+
 if TYPE_CHECKING:
     from ec_cache.vllm import ECCacheConnector
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _server_python() -> str:
-    env = os.environ.get("EC_CACHE_SERVER_PYTHON")
-    if env:
-        return env
-    venv = ROOT / ".venv" / "bin" / "python"
-    if venv.exists():
-        return str(venv)
-    probe = subprocess.run(
-        [sys.executable, "-c", "import fastapi, uvicorn, app"],
-        cwd=ROOT,
-        capture_output=True,
-    )
-    if probe.returncode == 0:
-        return sys.executable
-    pytest.fail(
-        "no interpreter for the ec-cache server: create .venv (pip install -e '.[test]') "
-        "or set EC_CACHE_SERVER_PYTHON",
-        pytrace=False,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@dataclass
-class Server:
-    url: str
-    data_dir: Path
-    proc: subprocess.Popen[bytes]
-    log: Path
+class Server(ServerProcess):
+    """A server process with the plain-HTTP helpers of these tests."""
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=10.0)
@@ -76,52 +40,11 @@ class Server:
             data: dict[str, Any] = r.json()
             return data
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
 
-
-def start_server(
-    tmp: Path, env_extra: dict[str, str] | None = None, port: int | None = None
-) -> Server:
-    port = port or free_port()
-    data = tmp / "ec-data"
-    data.mkdir(parents=True, exist_ok=True)
-    log = tmp / "server.log"
-    env = dict(os.environ)
-    env.update(
-        {
-            "EC_HOST": "127.0.0.1",
-            "EC_PORT": str(port),
-            "EC_DATA_DIR": str(data),
-            "EC_LOG_LEVEL": "warning",
-        }
-    )
-    env.update(env_extra or {})
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [_server_python(), "-m", "app"], cwd=ROOT, env=env, stdout=out, stderr=out
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ec-cache server exited at start:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"ec-cache server did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    return Server(url=url, data_dir=data, proc=proc, log=log)
+def start_server(tmp: Path, env_extra: dict[str, str] | None = None, port: int = 0) -> Server:
+    srv = Server(tmp / "ec-data", tmp / "server.log", port=port)
+    srv.env.update(env_extra or {})
+    return srv.start()
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from engine_loop import EngineLoop
 from helpers import DTYPE, SCHED, WORKER, delete_raw, embeds, make_request, mm_hash, ns, put_raw
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from tests.support.fault_proxy import FaultProxy
+from testkit.fault_proxy import FaultProxy
 
 # The scheduler waits for each existence answer, so that a step's decision never
 # depends on how fast this machine is (the background question: its own test).

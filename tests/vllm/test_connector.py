@@ -204,7 +204,9 @@ def test_outage_answers_miss_within_the_time_bound(
 def test_breaker_probes_and_recovers(
     tmp_path: Any, connector: Callable[..., ECCacheConnector]
 ) -> None:
-    from conftest import free_port, start_server
+    from conftest import start_server
+
+    from testkit.ports import free_port
 
     port = free_port()
     model = ns()

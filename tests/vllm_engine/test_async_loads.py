@@ -1,5 +1,5 @@
 """Asynchronous loads in a real engine: a slow or failing cache delays only the request
-that needs it, never the batch (tests/vllm_engine/scenarios.py).
+that needs it, never the batch (testkit/vllm_engine/scenarios.py).
 
 One module fixture runs three engines. The first runs the scenarios straight against
 the server, without faults or aborts: every image is a miss, computed by the encoder
@@ -18,11 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.support.fault_proxy import FaultProxy
-from tests.support.server import ServerProcess
-from tests.vllm_engine import scenarios
-from tests.vllm_engine.conftest import EngineRun, connector_config, request_counts
-from tests.vllm_engine.scenarios import (
+from testkit.fault_proxy import FaultProxy
+from testkit.server import ServerProcess
+from testkit.vllm_engine import connector_config, scenarios
+from testkit.vllm_engine.scenarios import (
     EXISTS_HOLD_S,
     HOLD_S,
     LOAD_TIMEOUT_S,
@@ -33,6 +32,7 @@ from tests.vllm_engine.scenarios import (
     max_gap,
     waited,
 )
+from tests.vllm_engine.conftest import EngineRun, request_counts
 
 # Both connector runs: no uploads (the cache is filled once), answers to _exists
 # held EXISTS_HOLD_S must not time out.

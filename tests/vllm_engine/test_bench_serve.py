@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.vllm_engine.conftest import ROOT
+from testkit.vllm_engine import ROOT
 
 PROMPTS = 4
 

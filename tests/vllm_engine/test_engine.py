@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.support.server import ServerProcess
+from testkit.server import ServerProcess
+from testkit.vllm_engine import connector_config
 from tests.vllm_engine.conftest import (
     UNIQUE_IMAGES,
     EngineRun,
     assert_same_outputs,
-    connector_config,
     count,
     request_counts,
 )

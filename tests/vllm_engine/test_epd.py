@@ -11,10 +11,6 @@ import base64
 import io
 import json
 import os
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,66 +18,34 @@ from typing import Any
 
 import httpx
 
-from tests.support.server import ServerProcess, free_port
-from tests.vllm_engine.conftest import (
-    PROMPTS,
-    ROOT,
-    UNIQUE_IMAGES,
-    connector_config,
-    count,
-    engine_env,
-    request_counts,
-)
-from tests.vllm_engine.engine_run import image
+from testkit.server import ServerProcess
+from testkit.vllm_engine import ROOT, connector_config, vllm_server
+from testkit.vllm_engine.engine_run import image
+from tests.vllm_engine.conftest import PROMPTS, UNIQUE_IMAGES, count, request_counts
 
-PROBE_SITE = Path(__file__).parent / "probe_site"  # sitecustomize: the encoder probe
+# sitecustomize: the encoder probe, in the API server's engine core process too
+PROBE_SITE = ROOT / "testkit" / "vllm_engine" / "probe_site"
 
 
 @contextmanager
 def api_server(
     python: Path, model: Path, work: Path, ec_transfer_config: dict[str, Any], *args: str
 ) -> Iterator[tuple[str, Path]]:
-    """A vLLM API server process; yields its URL and its encoder probe's log."""
+    """A vLLM API server with the encoder probe; yields its URL and the probe's log."""
     work.mkdir(parents=True)
-    port = free_port()
     probe_log = work / "encoder.log"
     probe_log.touch()
-    # vLLM's ZeroMQ IPC sockets live in TMPDIR; a socket path has at most 107 bytes.
-    ipc_dir = Path(tempfile.mkdtemp(prefix="ec-vllm-"))
-    env = engine_env(ipc_dir)
-    env["EC_TEST_ENCODER_LOG"] = str(probe_log)
-    env["PYTHONPATH"] = f"{PROBE_SITE}{os.pathsep}{env['PYTHONPATH']}"
-    command = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-        "--max-num-seqs", "8", "--seed", "0", "--limit-mm-per-prompt", '{"image": 4}',
+    probe = {
+        "EC_TEST_ENCODER_LOG": str(probe_log),
+        "PYTHONPATH": f"{PROBE_SITE}{os.pathsep}{ROOT}",
+    }
+    with vllm_server(
+        model, work / "server", "--max-model-len", "512", "--max-num-seqs", "8",
+        "--limit-mm-per-prompt", '{"image": 4}',
         "--ec-transfer-config", json.dumps(ec_transfer_config), *args,
-    ]  # fmt: skip
-    log_path = work / "server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"vLLM server exited:\n{log_path.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, f"vLLM server not up:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        python=python, env_extra=probe, timeout=300,
+    ) as url:  # fmt: skip
         yield url, probe_log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def chat_request(prompt: dict[str, Any], max_tokens: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 could not load, answers exactly as without a cache, and within the documented bounds.
 
 The cache is filled once by a real engine; each test serves a copy of it through a
-fault proxy (tests/support/fault_proxy.py), so vLLM is told "present" and the
+fault proxy (testkit/fault_proxy.py), so vLLM is told "present" and the
 failure lands in the worker's load, after scheduling.
 """
 
@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.fault_proxy import FaultProxy
-from tests.support.server import ServerProcess, free_port
+from testkit.fault_proxy import FaultProxy
+from testkit.ports import free_port
+from testkit.server import ServerProcess
+from testkit.vllm_engine import connector_config
 from tests.vllm_engine.conftest import (
     UNIQUE_IMAGES,
     EngineRun,
     assert_same_outputs,
-    connector_config,
     count,
     request_counts,
 )

@@ -1,11 +1,11 @@
-"""One real vLLM engine run, in a process of its own: ``python -m tests.vllm_engine.engine_run SPEC OUT``.
+"""One real vLLM engine run, in a process of its own: ``python -m testkit.vllm_engine.engine_run SPEC OUT``.
 
 SPEC (JSON) names the model, the ``--ec-transfer-config`` (or none) and the prompts;
 OUT receives, per prompt, the generated token ids and their logprobs, plus how often
 the vision encoder ran (counted by wrapping vLLM's own encoder module, so "the encoder
 was skipped" is a measurement) and how long ``generate`` took.
 
-With ``scenarios`` instead of ``prompts`` (see ``tests/vllm_engine/scenarios.py``) the
+With ``scenarios`` instead of ``prompts`` (see ``scenarios.py``) the
 engine is stepped by hand: requests arrive while others decode, some are aborted, and
 OUT receives per scenario each request's tokens with the time each one appeared, the
 duration of every ``Scheduler.schedule`` call, the encoder calls and the connectors'
@@ -53,7 +53,7 @@ class EncoderProbe:
     def install(self) -> None:
         from vllm.model_executor.models import qwen2_vl
 
-        from tests.vllm_engine.probe_site.sitecustomize import wrap_encoder
+        from testkit.vllm_engine.probe_site.sitecustomize import wrap_encoder
 
         wrap_encoder(qwen2_vl, self._count)
 
@@ -74,7 +74,7 @@ def perturb_loads() -> None:
         for key in set(encoder_cache) - before:
             encoder_cache[key] = encoder_cache[key] + 1e-2
 
-    ECCacheConnector.start_load_caches = start_load_caches  # type: ignore[method-assign]
+    ECCacheConnector.start_load_caches = start_load_caches  # type: ignore[method-assign,unused-ignore]
 
 
 def completion_of(out: Any) -> dict[str, Any]:

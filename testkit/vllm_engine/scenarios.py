@@ -97,14 +97,14 @@ def waited(scenario: dict[str, Any], request: str) -> tuple[float, float]:
 
 def max_gap(scenario: dict[str, Any], start: float, end: float) -> float:
     """The text request's longest inter-token gap overlapping ``[start, end]``."""
-    times = scenario["requests"]["text"]["token_times"]
+    times: list[float] = scenario["requests"]["text"]["token_times"]
     gaps = [b - a for a, b in itertools.pairwise(times) if b > start and a < end]
     assert gaps, "the text request did not decode during the window"
     return max(gaps)
 
 
 def median_gap(scenario: dict[str, Any]) -> float:
-    times = scenario["requests"]["text"]["token_times"]
+    times: list[float] = scenario["requests"]["text"]["token_times"]
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 
 

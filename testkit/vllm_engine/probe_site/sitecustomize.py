@@ -1,9 +1,9 @@
-"""The encoder probe of tests/vllm_engine: counts the patch rows Qwen2-VL's vision
+"""The encoder probe of the engine runs: counts the patch rows Qwen2-VL's vision
 transformer encodes, by wrapping vLLM's own module.
 
 ``wrap_encoder`` is what the offline runner (``engine_run``) calls. vLLM's API server
 runs its engine core in a process of its own, so for servers this file is also a
-``sitecustomize`` (on PYTHONPATH only in tests/vllm_engine): in every Python process
+``sitecustomize`` (on the PYTHONPATH of tests/vllm_engine/test_epd.py's servers): in every Python process
 that has ``EC_TEST_ENCODER_LOG`` set, the module is wrapped when imported and each call
 appends its row count to that file.
 """
