@@ -216,8 +216,36 @@ def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
                 replica.stop()
 
 
+def encoder_share(model: Path, load: Workload, work: Path) -> dict[str, Any]:
+    """``bench/encoder_share.py`` in the engine venv: the vision tower's share of a
+    request like the workload's (one image, ``input_len`` text tokens)."""
+    done = subprocess.run(
+        [
+            ENGINE_PYTHON,
+            "-m",
+            "bench.encoder_share",
+            model,
+            str(load.image_side),
+            str(load.input_len),
+        ],
+        cwd=ROOT,
+        env={**engine_env(work / "tmp-share"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bench.encoder_share failed:\n{done.stderr[-4000:]}")
+    share: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return share
+
+
 def run(load: Workload, work: Path, hold_ms: int, smoke: bool, log: Any) -> dict[str, Any]:
     model = build_model(work / f"qwen2-vl-{load.profile}", load.profile)
+    share = None if smoke else encoder_share(model, load, work)
+    if share is not None:
+        log(f"serve: encoder {share['encoder_ms']} ms of {share['request_ms']} ms a request")
     rows: list[Row] = []
     with cache_replicas(work) as (a, b):
         if not smoke:
@@ -241,6 +269,7 @@ def run(load: Workload, work: Path, hold_ms: int, smoke: bool, log: Any) -> dict
     return {
         "workload": load.__dict__,
         "hold_ms": hold_ms,
+        "encoder_share": share,
         "rows": [row.summary() for row in rows],
     }
 
@@ -254,6 +283,16 @@ def markdown(results: dict[str, Any]) -> str:
         f"and {load['input_len']} tokens in, {load['output_len']} out; slow rows hold "
         f"each GET {results['hold_ms']} ms.",
         "",
+        *(
+            [
+                f"The vision encoder takes {share['encoder_ms']:.0f} ms of such a request's "
+                f"{share['request_ms']:.0f} ms to its first token on this CPU, one request "
+                f"alone ({share['encoder_share']:.0%}; `bench/encoder_share.py`).",
+                "",
+            ]
+            if (share := results.get("encoder_share"))
+            else []
+        ),
         "| row | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | ITL max ms | req/s | out tok/s "
         "| hits | misses | loaded MB | cache tiers |",
         "|---|---|---|---|---|---|---|---|---|---|",
