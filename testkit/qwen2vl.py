@@ -129,7 +129,7 @@ def build(path: Path, profile: str = "tiny") -> Path:
         text_config={
             "vocab_size": VOCAB_SIZE,
             **sizes.text,
-            "max_position_embeddings": 2048,
+            "max_position_embeddings": 8192,
             "bos_token_id": token_id("<|endoftext|>"),
             "eos_token_id": token_id("<|im_end|>"),
             "pad_token_id": token_id("<|endoftext|>"),

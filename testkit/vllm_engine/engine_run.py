@@ -252,6 +252,11 @@ def run_scenario(
             if out.finished and record["finished_at"] is None:
                 record["finished_at"] = now
                 record.update(completion_of(out))
+                if out.request_id == background and not foreground_done():
+                    raise RuntimeError(
+                        f"{scenario['name']}: the background request finished before the "
+                        "others: give it more max_tokens (scenarios.TEXT_TOKENS)"
+                    )
         if not outputs:
             time.sleep(0.001)  # let the connector's threads run (as EngineCore's loop does)
     leftover = [name for name, r in records.items() if r["finished_at"] is None]
