@@ -18,7 +18,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: run sdk lock test system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: help run sdk lock test system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -38,6 +38,10 @@ $(VENV)/.test: pyproject.toml $(VENV)/.server $(VENV)/.sdk
 	rm -rf $(OTHER_UVICORN_DIR)
 	$(PIP) --no-deps --target $(OTHER_UVICORN_DIR) '$(OTHER_UVICORN)'
 	touch $@
+
+## help: list these targets
+help:
+	@sed -n 's/^## //p' Makefile
 
 ## run: start the server on its embedded default (disk only, data in ./ec-data)
 run: $(VENV)/.server
