@@ -3,7 +3,8 @@
 The load times are the full benchmark's own (``python -m bench``, section ``s3``,
 ``bench/results/latest.json``): the SDK's ``get`` of an entry into a tensor, as a disk
 hit and as an S3 read-through (S3 on loopback, and behind a 1 Gbit/s link, as S3 in
-another rack or zone is), p50 of 30 requests, for the entry sizes of three real models.
+another rack or zone is), p50 over that section's requests, for the entry sizes of
+three real models.
 Next to them, the encoder times published for those models; the last columns say how
 fast an encoder must be per MB of output for loading to lose (load ms / entry MB).
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .whl/ (git-ignored): every wheel the GPU benchmark (bench/gpu.py) needs on the
-# H200 machine beyond what its image has, which reaches no package registry. The image
+# lent GPU machine (H100 or H200) beyond what its image has, which reaches no package registry. The image
 # has Python 3.12 with torch, httpx/httpcore, h11, numpy, safetensors, uvloop, click,
 # idna, certifi, urllib3, python-dateutil and six, which the server and the SDK use as
 # they are. Run here, where pip reaches PyPI; then carry ".whl" (see
@@ -8,8 +8,7 @@
 #
 #   bash bench/gpu_wheels.sh            # -> .whl/*.whl, at most 64 MiB in all
 #
-# The server's runtime dependencies are pinned to the versions the test environment
-# runs (pyproject.toml's ranges), downloaded with --no-deps so that pip never resolves
+# Dependencies are downloaded with --no-deps (below), so that pip never resolves
 # another torch; the project itself (ec-cache-server and the ec-cache SDK) is built
 # from this checkout.
 set -euo pipefail

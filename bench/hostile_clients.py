@@ -5,8 +5,9 @@ connections are held, how many dropped, and how long each takes to drop
     python -m bench.hostile_clients [--idle 1000] [--slowloris 300] [--tricklers 64]
                                     [--stalled 16] [--excess 100]
 
-Phases, one after the other, each against a server started with default settings
-(except ``EC_MAX_CONNECTIONS`` for the last): idle sockets that never send a request,
+Phases, one after the other, against servers with the default deadlines (the first
+takes bodies up to 128 MiB for the 64 MB entry; the last sets ``EC_MAX_CONNECTIONS``
+and a 60 s keep-alive, so held connections stay open): idle sockets that never send a request,
 slowloris heads (a header line a second), upload tricklers (a byte a second) taking
 every upload slot, readers that stop reading a 64 MB GET, and connections beyond the
 bound. Prints one Markdown table row per phase. While each phase runs, a well-behaved

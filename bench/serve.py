@@ -17,8 +17,9 @@ the same encoder outputs. Rows:
   every entry GET back ``--hold-ms``, with synchronous and with asynchronous loads
   (``load_mode``): what a slow load costs the other requests' inter-token latency.
 
-Every vLLM server runs with prefix caching and the multimodal processor cache off, so
-a repeated prompt is not served from vLLM's own caches instead of ec-cache. For each
+Every vLLM server runs with prefix caching off, so a repeated prompt is not served
+from vLLM's KV cache instead of ec-cache; the multimodal processor cache stays on (it
+holds processed inputs, not encoder outputs, and with it vLLM names items by content). For each
 row: TTFT p50/p99, inter-token latency p99 and max, requests/s, output tokens/s, the
 connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
 (lookups by tier, bytes) for that pass. ``--smoke`` runs three rows with the tiny

@@ -15,7 +15,7 @@ takes. Two connector configurations, each in a fresh engine:
 ``--sdk PATH`` instead runs one engine with the connector's defaults and another
 checkout's ``client/`` first on its path (e.g. the code before the change, for a
 like-for-like "before"). Prints a table and writes ``bench/results/vllm-stalls.json``
-(``--out``). Timings are wall-clock on whatever else the machine runs: compare the
+(``vllm-stalls-sdk.json`` with ``--sdk``; ``--out``). Timings are wall-clock on whatever else the machine runs: compare the
 columns of one run.
 """
 
@@ -59,9 +59,16 @@ ROWS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/vllm-stalls.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="default bench/results/vllm-stalls.json (vllm-stalls-sdk.json with --sdk)",
+    )
     parser.add_argument("--sdk", type=Path, help="a client/ folder to run the engines with")
     args = parser.parse_args()
+    if args.out is None:
+        name = "vllm-stalls-sdk.json" if args.sdk else "vllm-stalls.json"
+        args.out = Path("bench/results") / name
     if not ENGINE_PYTHON.exists():
         raise SystemExit(f"{ENGINE_PYTHON} is missing: run scripts/setup-vllm-engine-venv.sh")
     env = {"PYTHONPATH": f"{args.sdk.resolve()}:{Path.cwd()}"} if args.sdk else None
