@@ -83,7 +83,7 @@ lint: $(VENV)/.test
 	cd client && ../$(VENV)/bin/deptry ec_cache
 
 typecheck: $(VENV)/.test
-	$(VENV)/bin/mypy app client/ec_cache testkit
+	$(VENV)/bin/mypy app client/ec_cache testkit bench
 
 ## deploy-check: hadolint, compose config, helm lint/template, schema validation, tests/deploy
 deploy-check:

@@ -14,18 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
 
 from bench import put_scale, report, s3_paths, suite
+from bench.lifecycle import unwind_on_sigterm
 from bench.services import Services, load_average
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,10 +39,6 @@ SECTIONS: dict[str, Callable[[Services, suite.Plan, Any], dict[str, Any]]] = {
     "s3": s3_paths.section,
     "put_scale": put_scale.put_scale,
 }
-
-
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # unwinds: everything started is stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     # Large copies through torch's intra-op pool stall when the other core is busy
     # (measured on the 2-core build machines); none of the contenders computes anything.
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, _terminate)
+    unwind_on_sigterm()
 
     started = time.monotonic()
 

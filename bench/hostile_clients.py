@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.lifecycle import unwind_on_sigterm
 from testkit.entries import body
 from testkit.server import ServerProcess
 
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--stalled", type=int, default=16)
     parser.add_argument("--excess", type=int, default=100)
     args = parser.parse_args()
+    unwind_on_sigterm()
     rows = [
         "| hostile clients | held | dropped | time to drop | notes |",
         "|---|---|---|---|---|",

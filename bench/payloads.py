@@ -30,7 +30,8 @@ class Payload:
 
     @cached_property
     def header(self) -> bytes:
-        return build_header(DTYPE, self.shape)
+        header: bytes = build_header(DTYPE, self.shape)
+        return header
 
     @property
     def size(self) -> int:

@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from bench.lifecycle import unwind_on_sigterm
 from testkit.fault_proxy import FaultProxy
 from testkit.s3 import seaweedfs_endpoint
 from testkit.server import ServerProcess
@@ -372,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the model (testkit/qwen2vl.py; default: bench, tiny with --smoke)",
     )
     args = parser.parse_args(argv)
+    unwind_on_sigterm()
     load = SMOKE if args.smoke else FULL
     if args.prompts:
         load = Workload(**{**load.__dict__, "prompts": args.prompts})

@@ -61,11 +61,10 @@ class Services:
         """A fresh ``python -m app`` with its own empty data directory."""
         data = self.root / f"ec-{name}"
         shutil.rmtree(data, ignore_errors=True)
-        env: dict[str, str] = {}
+        proc = ServerProcess(data, self.root / f"ec-{name}.log")
+        proc.env.update({f"EC_{key.upper()}": str(value) for key, value in settings.items()})
         if s3_prefix is not None:
-            env = self.s3().env(prefix=s3_prefix)
-        proc = ServerProcess(data, self.root / f"ec-{name}.log", **settings)
-        proc.env.update(env)
+            proc.env.update(self.s3().env(prefix=s3_prefix))
         proc.start()
         self._stack.callback(proc.stop)
         return proc

@@ -11,13 +11,15 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
+_installed_version = importlib.metadata.version
 
-def _version(name: str, _lookup=importlib.metadata.version) -> str:  # type: ignore[no-untyped-def]
-    if name == "vllm":
+
+def _version(distribution_name: str) -> str:
+    if distribution_name == "vllm":
         import vllm
 
         return str(vllm.__version__)
-    return str(_lookup(name))
+    return _installed_version(distribution_name)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.lifecycle import unwind_on_sigterm
 from testkit.fault_proxy import FaultProxy
 from testkit.server import ServerProcess
 from testkit.vllm_engine import (
@@ -40,7 +41,7 @@ from testkit.vllm_engine import (
 )
 
 SETTINGS = {"save": False, "load_timeout_s": scenarios.LOAD_TIMEOUT_S, "exists_timeout_s": 0.5}
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "before": {"load_mode": "sync", "exists_wait_s": 1.0, **SETTINGS},
     "after": SETTINGS,
 }
@@ -66,6 +67,7 @@ def main() -> None:
     )
     parser.add_argument("--sdk", type=Path, help="a client/ folder to run the engines with")
     args = parser.parse_args()
+    unwind_on_sigterm()
     if args.out is None:
         name = "vllm-stalls-sdk.json" if args.sdk else "vllm-stalls.json"
         args.out = Path("bench/results") / name
