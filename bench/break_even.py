@@ -84,12 +84,13 @@ def markdown(rows: list[dict[str, Any]], run: str) -> str:
         "than the last two columns per MB of its output.",
         "",
         "| entry | model, image | disk hit ms | S3 read-through ms (loopback / 1 Gbit/s) "
-        "| published encoder ms | break-even ms/MB: disk / S3 at 1 Gbit/s |",
+        "| published encoder ms, per MB of output | break-even ms/MB: disk / S3 at 1 Gbit/s |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
         published = (
-            f"{row['published_encoder_ms']:.0f} ({row['published_source']})"
+            f"{row['published_encoder_ms']:.0f}, "
+            f"{row['published_encoder_ms'] / row['entry_mb']:.1f} ms/MB ({row['published_source']})"
             if row["published_encoder_ms"] is not None
             else f"- ({row['published_source']})"
         )

@@ -1,6 +1,6 @@
 """docs/architecture.md (and the other documents) names only modules that exist, of the
 server and of the SDK; it names every module of the SDK; docs/s3.md's file table lists
-every module of the S3 backend."""
+every module of the S3 backend; every relative link of a document leads to a file."""
 
 from __future__ import annotations
 
@@ -9,8 +9,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-DOCUMENTS = sorted([*(ROOT / "docs").glob("*.md"), ROOT / "helm" / "ec-cache" / "README.md"])
+DOCUMENTS = sorted(
+    [
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+        ROOT / "client" / "README.md",
+        ROOT / "bench" / "README.md",
+        ROOT / "helm" / "ec-cache" / "README.md",
+    ]
+)
 MODULE = re.compile(r"\b(?:app|client)/[\w/]+\.py\b")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 SDK = ROOT / "client" / "ec_cache"
 
 
@@ -56,3 +65,15 @@ def test_the_s3_file_table_lists_every_s3_module() -> None:
         if path.name != "__init__.py"
     }
     assert modules <= table, sorted(modules - table)
+
+
+def test_every_relative_link_leads_to_a_file() -> None:
+    broken = {
+        f"{document.relative_to(ROOT)}: {target}"
+        for document in DOCUMENTS
+        for target in LINK.findall(document.read_text())
+        if "://" not in target
+        and not target.startswith("mailto:")
+        and not (document.parent / target).exists()
+    }
+    assert not broken, sorted(broken)
