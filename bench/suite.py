@@ -437,8 +437,9 @@ def floor(svc: Services, plan: Plan, log: Any) -> dict[str, Any]:
         return op
 
     def sdk_get(_: int) -> int:
-        if not same_bits(sdk.get(key), tensor):
-            raise RuntimeError("SDK read other bits")
+        got = sdk.get(key)
+        if got is None or not same_bits(got, tensor):
+            raise RuntimeError("SDK read other bits (or missed)")
         return len(body)
 
     contenders = [
