@@ -12,12 +12,12 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import httpx
 
 from testkit.entries import body, crc_hex
 from testkit.fault_proxy import FaultProxy
+from testkit.polling import wait_for
 from testkit.ports import free_ports
 from testkit.s3 import S3Endpoint
 from testkit.server import ServerProcess
@@ -54,15 +54,6 @@ def metric(client: httpx.Client, name: str, **labels: str) -> float:
         if ",".join(f'{k}="{v}"' for k, v in items) == want:
             return float(match.group(3))
     return 0.0
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def client_for(srv: ServerProcess) -> httpx.Client:
@@ -102,7 +93,7 @@ def test_write_through_round_trip_and_second_replica(
     assert got.headers["X-EC-Shape"] == "600,1024"
     assert got.headers["Content-Length"] == str(len(data))
     # ... and has filled its disk tier with it (the commit may trail the last byte).
-    wait_for(lambda: b.get(url("h1")).headers["X-EC-Tier"] == "disk", 10, "the disk fill")
+    wait_for(lambda: b.get(url("h1")).headers["X-EC-Tier"] == "disk", "the disk fill", 10)
     again = b.get(url("h1"))
     assert again.headers["X-EC-Tier"] == "disk" and again.content == data
     assert b.get(url("nope")).status_code == 404
@@ -126,7 +117,7 @@ def test_disk_copies_of_s3_entries_are_not_synced(make_server: ServerFactory) ->
 
     b = client_for(make_server("b"))
     assert b.get(url("wt")).headers["X-EC-Tier"] == "s3"
-    wait_for(lambda: b.get(url("wt")).headers["X-EC-Tier"] == "disk", 10, "the disk fill")
+    wait_for(lambda: b.get(url("wt")).headers["X-EC-Tier"] == "disk", "the disk fill", 10)
     assert metric(b, fsyncs, kind="file") == 0
 
     c = client_for(make_server("c", write_mode="write-back"))
@@ -307,8 +298,8 @@ def test_slow_or_vanished_client_does_not_hold_the_fill(
         # The reader stalls; the S3 -> disk copy goes on and commits without it.
         wait_for(
             lambda: metric(b, "ec_s3_fills_total", outcome="committed") == 1,
-            20,
             "the fill to commit while its first reader stalls",
+            20,
         )
         rest = b"".join(chunks)
     assert first + rest == data
@@ -323,8 +314,8 @@ def test_slow_or_vanished_client_does_not_hold_the_fill(
     b = client_for(b_srv)
     wait_for(
         lambda: metric(b, "ec_s3_fills_total", outcome="committed") == 2,
-        20,
         "the fill to commit after its only reader left",
+        20,
     )
     got = b.get(url("left"))
     assert got.headers["X-EC-Tier"] == "disk" and got.content == other
@@ -356,8 +347,8 @@ def test_write_back_upload_survives_kill_9(
     s3_proxy.down = False
     srv.start()
     key = f"{s3_prefix}/{MODEL}/float16/wb.safetensors"
-    wait_for(lambda: s3_endpoint.list_keys(s3_prefix + "/") == [key], 20, "the upload")
-    wait_for(lambda: not list(journal.glob("*.json")), 10, "the journal to empty")
+    wait_for(lambda: s3_endpoint.list_keys(s3_prefix + "/") == [key], "the upload", 20)
+    wait_for(lambda: not list(journal.glob("*.json")), "the journal to empty", 10)
     assert metric(a, "ec_s3_upload_queue_depth") == 0
     # The object is complete and checked: a fresh replica serves it.
     got = client_for(make_server("b")).get(url("wb"))
@@ -387,8 +378,8 @@ def test_write_back_drains_at_shutdown(
     assert metric(a, "ec_s3_upload_queue_oldest_seconds") > 0
     wait_for(
         lambda: metric(a, "ec_s3_uploads_total", outcome="retry") >= 1,
-        30,
         "the first upload attempt to fail",
+        30,
     )
     s3_proxy.down = False
     time.sleep(0.2)  # past the S3 cool-down, or the drain's attempt fails fast
@@ -429,7 +420,7 @@ def test_write_back_queue_bound_never_drops(
         assert got.headers["X-EC-Tier"] == "disk" and got.content == bodies[i]
 
     s3_proxy.down = False
-    wait_for(lambda: metric(a, "ec_s3_upload_queue_depth") == 0, 20, "the queue to drain")
+    wait_for(lambda: metric(a, "ec_s3_upload_queue_depth") == 0, "the queue to drain", 20)
     assert metric(a, "ec_s3_uploads_total", outcome="ok") == 2
     assert a.get("/stats").json()["disk"]["evictions"] >= 1  # unpinned: bound applies
     assert put(a, "q2", bodies[2]).status_code == 201
@@ -467,7 +458,7 @@ def test_s3_stopped_then_restarted(
     assert a.delete(url("here")).status_code == 503  # S3 copy could not be removed
 
     s3_control.start()
-    wait_for(lambda: a.get("/readyz").status_code == 200, 20, "readiness to recover")
+    wait_for(lambda: a.get("/readyz").status_code == 200, "readiness to recover", 20)
     assert a.get(url("elsewhere")).status_code == 404  # recovered, no restart
     assert a.get(url("here")).content == data  # the disk copy went, S3 still had it
     assert a.delete(url("here")).status_code == 204
@@ -494,7 +485,7 @@ def test_put_during_outage_leaves_nothing(
     s3_proxy.down = False
     assert s3_endpoint.list_keys(s3_prefix + "/") == []
     assert list((srv.data_dir / "objects").rglob("*.safetensors")) == []
-    wait_for(lambda: a.get(url("partial")).status_code == 404, 10, "S3 to be reachable")
+    wait_for(lambda: a.get(url("partial")).status_code == 404, "S3 to be reachable", 10)
 
 
 def test_corrupt_object_in_s3_is_not_served_whole_nor_cached(

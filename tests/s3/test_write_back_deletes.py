@@ -7,27 +7,20 @@ flight (``put_gate``) and fails S3 DELETEs on demand: three in a row fail one ca
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from testkit.entries import body
 from testkit.fault_proxy import FaultProxy
+from testkit.polling import wait_for
 from testkit.s3 import S3Endpoint
 from testkit.server import ServerProcess
 from tests.s3.conftest import ServerFactory
 
 MODEL = "wb/model"
 BIG = 2 * 1024 * 1024
-
-
-def _wait(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout  # a wait for the server, not a timing check
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+WAIT_S = 60  # for the server and S3, not a timing check
 
 
 def _queue(srv: ServerProcess) -> dict[str, Any]:
@@ -43,7 +36,7 @@ def _held_upload(srv: ServerProcess, front: FaultProxy, path: str, data: bytes) 
     """PUT ``data`` (201 from disk) and wait until its upload is held in flight."""
     front.put_gate.clear()
     assert httpx.put(srv.url + path, content=data, timeout=30).status_code == 201
-    _wait(lambda: front.puts_held == 1, "the upload to be in flight")
+    wait_for(lambda: front.puts_held == 1, "the upload to be in flight", WAIT_S)
 
 
 def _not_served(srv: ServerProcess, name: str) -> None:
@@ -69,7 +62,7 @@ def test_a_delete_during_an_upload_is_not_undone_by_it(
 
     s3_proxy.failures["DELETE"] = 3  # the delete after the upload fails once
     s3_proxy.put_gate.set()  # the upload completes: the object is in S3 a moment
-    _wait(lambda: _queue(srv)["entries"] == 0, "the delete to be confirmed")
+    wait_for(lambda: _queue(srv)["entries"] == 0, "the delete to be confirmed", WAIT_S)
     assert s3_proxy.count("DELETE") >= 4 and s3_proxy.failures["DELETE"] == 0
     _not_served(srv, "raced")
     assert s3_endpoint.list_keys(s3_prefix + "/") == []
@@ -89,8 +82,8 @@ def test_a_delete_owed_survives_kill_9_and_a_put_after_it_wins(
     s3_proxy.failures["DELETE"] = 10**6  # S3 refuses every delete from now on
     s3_proxy.put_gate.set()
     key = _object(s3_prefix, MODEL, "killed")
-    _wait(lambda: s3_endpoint.list_keys(s3_prefix + "/") == [key], "the upload to land")
-    _wait(lambda: s3_proxy.count("DELETE") >= 2, "a delete to be refused")
+    wait_for(lambda: s3_endpoint.list_keys(s3_prefix + "/") == [key], "the upload to land", WAIT_S)
+    wait_for(lambda: s3_proxy.count("DELETE") >= 2, "a delete to be refused", WAIT_S)
 
     srv.kill()  # the delete is owed only in the journal now
     srv.start()
@@ -102,7 +95,7 @@ def test_a_delete_owed_survives_kill_9_and_a_put_after_it_wins(
     assert httpx.get(f"{srv.url}/ec/{MODEL}/uint8/killed").content == new  # from disk
 
     s3_proxy.failures["DELETE"] = 0
-    _wait(lambda: _queue(srv)["entries"] == 0, "the delete, then the new upload")
+    wait_for(lambda: _queue(srv)["entries"] == 0, "the delete, then the new upload", WAIT_S)
     replica = make_server("b", endpoint_url=s3_proxy.url, write_mode="write-back")
     got = httpx.get(f"{replica.url}/ec/{MODEL}/uint8/killed", timeout=30)
     assert got.headers["x-ec-tier"] == "s3" and got.content == new
@@ -123,13 +116,14 @@ def test_a_purge_waits_for_an_upload_in_flight(
         (found,) = httpx.get(srv.url + "/namespaces/purges").json()["purges"]
         return dict(found)
 
-    _wait(
+    wait_for(
         lambda: job()["state"] == "done" or "a purge waits for 1" in srv.log_path.read_text(),
         "the purge to finish or to wait for the upload",
+        WAIT_S,
     )
     s3_proxy.failures["DELETE"] = 3  # the object's own delete fails once
     s3_proxy.put_gate.set()
-    _wait(lambda: job()["state"] == "done", "the purge")
-    _wait(lambda: _queue(srv)["entries"] == 0, "the queue to empty")
+    wait_for(lambda: job()["state"] == "done", "the purge", WAIT_S)
+    wait_for(lambda: _queue(srv)["entries"] == 0, "the queue to empty", WAIT_S)
     _not_served(srv, "purged")
     assert s3_endpoint.list_keys(s3_prefix + "/") == []

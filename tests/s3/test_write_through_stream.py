@@ -18,9 +18,10 @@ import pytest
 
 from testkit.entries import crc_hex
 from testkit.fault_proxy import FaultProxy
+from testkit.polling import wait_for
 from testkit.s3 import S3Endpoint
 from tests.s3.conftest import MiB, ServerFactory
-from tests.s3.test_server_s3 import client_for, entry, metric, put, url, wait_for
+from tests.s3.test_server_s3 import client_for, entry, metric, put, url
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -134,7 +135,7 @@ def test_client_gone_mid_body_leaves_nothing_anywhere(
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
         sock.sendall(head + data[: len(data) * 2 // 3])
         time.sleep(0.5)  # the upload is under way
-    wait_for(lambda: temp_files(srv.data_dir) == [], 10, "the temp file to go")
+    wait_for(lambda: temp_files(srv.data_dir) == [], "the temp file to go", 10)
     assert s3_object(s3_endpoint, s3_prefix, "gone") is None
     assert open_uploads(s3_endpoint, s3_prefix) == []
     assert a.get(url("gone")).status_code == 404

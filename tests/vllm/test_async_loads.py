@@ -30,6 +30,7 @@ from helpers import DTYPE, SCHED, WORKER, delete_raw, embeds, make_request, mm_h
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from testkit.fault_proxy import FaultProxy
+from testkit.polling import wait_for
 
 # The scheduler waits for each existence answer, so that a step's decision never
 # depends on how fast this machine is (the background question: its own test).
@@ -49,11 +50,9 @@ def meta_of(step_output: SchedulerOutput) -> ECCacheConnectorMetadata:
     return meta
 
 
-def wait_for(condition: Callable[[], bool], limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+def wait_for_counts(condition: Callable[[], object], what: str) -> None:
+    """The prefetcher's threads answer within milliseconds: poll finely, 10 s at most."""
+    wait_for(condition, what, timeout=10, interval=0.01)
 
 
 @pytest.mark.parametrize("width_known", [False, True], ids=["head-first", "width-known"])
@@ -221,7 +220,7 @@ def test_tensor_parallel_waits_for_every_rank(
 
     req = make_request([h], req_id="r-tp")
     assert loop.run([req]).deferred == ["r-tp"]
-    wait_for(lambda: rank0.counters().get("prefetch_fetched") == 1)
+    wait_for_counts(lambda: rank0.counters().get("prefetch_fetched") == 1, "rank 0's fetch")
     assert loop.run([req]).deferred == ["r-tp"]  # rank 0 holds it, rank 1 not yet
     step = loop.run_until_scheduled([req])
     assert step.computed == {}
@@ -260,7 +259,7 @@ def test_prefetches_are_released_when_nobody_waits(
 
     a = make_request([held], req_id="r-a")
     assert loop.run([a]).deferred == ["r-a"]
-    wait_for(lambda: worker.counters().get("prefetch_fetched") == 1)
+    wait_for_counts(lambda: worker.counters().get("prefetch_fetched") == 1, "the fetch")
     loop.run([])
     assert sched.counters()["prefetch_bytes_held"] == BYTES
     sched.request_finished(a)
@@ -272,7 +271,7 @@ def test_prefetches_are_released_when_nobody_waits(
     proxy.configure(mode="slow", delay_s=0.5)
     b = make_request([in_flight], req_id="r-b")
     assert loop.run([b]).deferred == ["r-b"]
-    wait_for(lambda: proxy.seen["GET entry"] == 2)
+    wait_for_counts(lambda: proxy.seen["GET entry"] == 2, "the second entry GET")
     sched.request_finished(b)  # aborted while its GET is held back
     loop.run([])
     assert worker.counters()["prefetch_dropped"] == 2
@@ -348,9 +347,11 @@ def test_the_byte_budget_bounds_host_memory(
     # Room for one entry: the second waits until the first is taken by its load.
     waiting = [make_request([x], req_id="r-x"), make_request([y], req_id="r-y")]
     assert loop.run(waiting[:1]).deferred == ["r-x"]
-    wait_for(lambda: worker.counters().get("prefetch_fetched") == 1)
+    wait_for_counts(lambda: worker.counters().get("prefetch_fetched") == 1, "the fetch")
     assert loop.run(waiting[1:]).deferred == ["r-y"]
-    wait_for(lambda: worker.counters().get("prefetch_budget_waits") == 1)
+    wait_for_counts(
+        lambda: worker.counters().get("prefetch_budget_waits") == 1, "a wait for budget"
+    )
     while waiting:
         step = loop.run(waiting)
         assert step.computed == {}
@@ -364,7 +365,7 @@ def test_the_byte_budget_bounds_host_memory(
     assert loop.run_until_scheduled([c]).computed == {"r-big": [0]}
     held, queued = make_request([z], req_id="r-held"), make_request([w], req_id="r-queued")
     assert loop.run([held]).deferred == ["r-held"]
-    wait_for(lambda: worker.counters()["prefetch_fetched"] == 3)
+    wait_for_counts(lambda: worker.counters()["prefetch_fetched"] == 3, "three fetches")
     assert loop.run_until_scheduled([queued]).computed == {"r-queued": [0]}
     assert sched.counters()["prefetch_failed"] == 2
     assert worker._prefetcher is not None and worker._prefetcher.held_bytes <= BYTES
@@ -412,7 +413,7 @@ def test_pooled_staging_returns_its_buffers(server: Server) -> None:
             for round_ in range(2):
                 for i, key in enumerate(keys):
                     prefetcher.submit(PrefetchOrder(10 * round_ + i, key, key, 16, 32))
-                wait_for(lambda: len(prefetcher.report().ready) == 3)
+                wait_for_counts(lambda: len(prefetcher.report().ready) == 3, "three ready")
                 for i, key in enumerate(keys):
                     entry = prefetcher.take(key, time.monotonic() + 5)
                     assert entry is not None and entry.lease is not None
