@@ -96,7 +96,7 @@ def test_request_waits_for_its_prefetch_then_loads_from_host(
     assert s["deferred_requests"] == 1 and s["deferred_seconds"] > 0
     # Nothing is kept past its use.
     loop.run([])
-    assert worker._prefetcher is not None and worker._prefetcher.held_bytes == 0
+    assert worker.worker.prefetcher is not None and worker.worker.prefetcher.held_bytes == 0
     assert sched.counters()["prefetch_bytes_held"] == 0
 
 
@@ -236,7 +236,7 @@ def test_tensor_parallel_waits_for_every_rank(
     assert sched.counters()["prefetch_failed"] == 1
     loop.run([])
     assert rank0.counters()["prefetch_dropped"] == 1
-    assert rank0._prefetcher is not None and rank0._prefetcher.held_bytes == 0
+    assert rank0.worker.prefetcher is not None and rank0.worker.prefetcher.held_bytes == 0
     assert h2 not in loop.caches[0] and h2 not in loop.caches[1]
 
 
@@ -277,7 +277,7 @@ def test_prefetches_are_released_when_nobody_waits(
     assert worker.counters()["prefetch_dropped"] == 2
     time.sleep(0.7)  # the held GET is answered; its bytes are dropped, not kept
     loop.run([])
-    assert worker._prefetcher is not None and worker._prefetcher.held_bytes == 0
+    assert worker.worker.prefetcher is not None and worker.worker.prefetcher.held_bytes == 0
     assert worker.counters()["prefetch_fetched"] == 1
 
     proxy.configure(mode="pass")
@@ -287,7 +287,7 @@ def test_prefetches_are_released_when_nobody_waits(
     assert [load.mm_hash for load in meta_of(step.output).loads] == [first_chunk]
     step = loop.run([], preempted={"r-c"})
     assert len(meta_of(step.output).release) == 1
-    assert worker._prefetcher.held_bytes == 0
+    assert worker.worker.prefetcher.held_bytes == 0
     assert sched.counters()["prefetch_released"] == 3
     assert worker.counters()["prefetch_dropped"] == 3
 
@@ -368,7 +368,7 @@ def test_the_byte_budget_bounds_host_memory(
     wait_for_counts(lambda: worker.counters()["prefetch_fetched"] == 3, "three fetches")
     assert loop.run_until_scheduled([queued]).computed == {"r-queued": [0]}
     assert sched.counters()["prefetch_failed"] == 2
-    assert worker._prefetcher is not None and worker._prefetcher.held_bytes <= BYTES
+    assert worker.worker.prefetcher is not None and worker.worker.prefetcher.held_bytes <= BYTES
 
 
 @pytest.mark.parametrize("why", ["load_mode: sync", "a vLLM without the hooks"])

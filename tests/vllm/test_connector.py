@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import ec_cache.vllm as ecv
+import ec_cache._vllm.worker as ec_worker
 import torch
 from conftest import Server
 from ec_cache._vllm.keys import cache_key
@@ -198,7 +198,7 @@ def test_outage_answers_miss_within_the_time_bound(
         c = sched.counters()
         assert c["exists_failed"] == 2
         assert c["misses_outage"] == 6
-        assert sched._breaker.state == "open"
+        assert sched.scheduler.breaker.state == "open"
 
 
 def test_breaker_probes_and_recovers(
@@ -218,7 +218,7 @@ def test_breaker_probes_and_recovers(
     h = mm_hash()
     assert sched.has_cache_item(h) is False  # nothing listens: the breaker opens
     opened = time.monotonic()
-    assert sched._breaker.state == "open"
+    assert sched.scheduler.breaker.state == "open"
     sched.build_connector_meta(SchedulerOutput.make_empty())
     assert sched.has_cache_item(h) is False  # cooling down: no network
     assert sched.counters()["exists_requests"] == 1
@@ -230,7 +230,7 @@ def test_breaker_probes_and_recovers(
         req = make_request([h])
         sched.ensure_cache_available(req, 0)  # the probe
         assert sched.has_cache_item(h) is True
-        assert sched._breaker.state == "closed"
+        assert sched.scheduler.breaker.state == "closed"
         assert sched.counters()["exists_requests"] == 2
     finally:
         srv.stop()
@@ -340,7 +340,7 @@ def test_tensor_parallel_duplicates_upload_once(
     rank0 = connector(WORKER, extra, tensor_parallel_size=2)
     rank1 = connector(WORKER, extra, tensor_parallel_size=2)
     rank0.save_caches(cache, h)
-    monkeypatch.setattr(ecv, "_tensor_parallel_rank", lambda: 1)
+    monkeypatch.setattr(ec_worker, "_tensor_parallel_rank", lambda: 1)
     rank1.save_caches(cache, h)
     assert rank0.flush(20) and rank1.flush(20)
     assert rank0.counters()["save_created"] == 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import logging
 import math
 import threading
 import time
@@ -32,12 +31,11 @@ from ec_cache._cuda import copy_to_device
 from ec_cache._sync.retries import retried
 from ec_cache._tensors import EntryInfo
 from ec_cache._vllm.counters import Counters
+from ec_cache._vllm.logs import logger
 from ec_cache._vllm.planner import PrefetchOrder
+from ec_cache._vllm.shapes import check_shape
 
-__all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "check_shape", "fetch_until"]
-
-# A child of vLLM's "vllm" logger, so that vLLM's logging configuration shows it.
-logger = logging.getLogger("vllm.ec_cache")
+__all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "fetch_until"]
 
 T = TypeVar("T")
 
@@ -77,23 +75,21 @@ def fetch_until(
     return result, None
 
 
-def check_shape(shape: tuple[int, ...], num_embeds: int | None, width: int | None) -> str | None:
-    """Why an entry of ``shape`` is not the encoder output vLLM expects, or None."""
-    if len(shape) < 1:
-        return "a 0-d tensor"
-    if num_embeds is not None and shape[0] != num_embeds:
-        return f"shape {shape}, but vLLM expects {num_embeds} rows"
-    if width is not None and len(shape) == 2 and shape[1] != width:
-        return f"shape {shape}, but the encoder width is {width}"
-    return None
-
-
 class EntryClient(Protocol):
     """What the prefetcher needs of :class:`ec_cache.Client`."""
 
-    def head(self, hash: str) -> EntryInfo | None: ...
+    def head(
+        self, hash: str, *, timeout: float | None = None, stop: Callable[[], bool] | None = None
+    ) -> EntryInfo | None: ...
 
-    def get(self, hash: str, *, out: torch.Tensor | None = None) -> torch.Tensor | None: ...
+    def get(
+        self,
+        hash: str,
+        *,
+        out: torch.Tensor | None = None,
+        timeout: float | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -143,11 +139,14 @@ class _Job:
     order: PrefetchOrder
     deadline: float
     state: _State = _State.QUEUED
-    cancelled: bool = False
+    abandoned: bool = False  # released, taken elsewhere or closed: its fetch stops
     reserved: int = 0  # bytes of the budget this job takes
     entry: HostEntry | None = None
     held_since: float = 0.0
     started: float = field(default_factory=time.monotonic)
+
+    def stop(self) -> bool:
+        return self.abandoned
 
 
 # A held entry neither taken nor released this many ``timeout_s`` after it arrived is
@@ -158,11 +157,14 @@ HELD_TTL_TIMEOUTS = 3
 
 class Prefetcher:
     """Fetches ordered entries on ``threads`` daemon threads into host memory, at
-    most ``budget_bytes`` at once (fetching and held; tensor bytes, a pooled buffer
-    rounds up); each order must be held within ``timeout_s`` of its arrival (waiting
-    for room included). ``staging``: the pool of (pinned) buffers to receive into;
-    without it each entry gets a tensor of its own (CPU workers: handed to vLLM as
-    it is)."""
+    most ``budget_bytes`` at once: the memory really taken, so a pooled buffer counts
+    its capacity, and the pool's idle buffers count too (they are dropped, the largest
+    first, to make room). Each order must be held within ``timeout_s`` of its arrival
+    (waiting for room included); a fetch ends at that deadline wherever it is (the
+    SDK bounds the whole transfer, not each receive). ``staging``: the pool of
+    (pinned) buffers to receive into; without it each entry gets a tensor of its own
+    (CPU workers: handed to vLLM as it is). ``on_failure(key)``: an entry could not be
+    fetched (its key is no longer known to be present)."""
 
     def __init__(
         self,
@@ -173,6 +175,7 @@ class Prefetcher:
         threads: int,
         timeout_s: float,
         counters: Counters,
+        on_failure: Callable[[str], None] = lambda key: None,
         staging: BufferPool | None = None,
     ) -> None:
         self._client = client
@@ -181,6 +184,7 @@ class Prefetcher:
         self._threads_wanted = threads
         self._timeout = timeout_s
         self._counters = counters
+        self._on_failure = on_failure
         self._staging = staging
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}  # mm_hash -> job
@@ -188,7 +192,8 @@ class Prefetcher:
         self._queue: collections.deque[_Job] = collections.deque()
         self._failed: set[int] = set()  # order ids, since the previous report
         self._used = 0  # bytes reserved by fetching and held jobs
-        self._threads: list[threading.Thread] = []
+        self._threads = 0  # started and not retired
+        self._retiring = 0  # threads to end once their fetch is over
         self._closed = False
         self._failures_logged = 0
 
@@ -206,7 +211,6 @@ class Prefetcher:
             if job is not None:
                 self._by_order.pop(job.order.order_id, None)
                 job.order = order
-                job.cancelled = False
                 job.deadline = time.monotonic() + self._timeout
             else:
                 job = _Job(order, time.monotonic() + self._timeout)
@@ -214,27 +218,30 @@ class Prefetcher:
                 self._queue.append(job)
                 self._cond.notify()
             self._by_order[order.order_id] = job
-            if len(self._threads) < self._threads_wanted:
-                self._start_threads()
+            while self._threads - self._retiring < self._threads_wanted:
+                self._start_thread()
 
     def release(self, order_id: int) -> None:
-        """Drop the entry of ``order_id``: held memory is freed now, a queued order
-        never starts, a fetch in flight is dropped when it ends."""
+        """Drop the entry of ``order_id`` now: held memory is freed, a queued order
+        never starts, a fetch in flight is abandoned (its thread slot and its bytes
+        are free at once; its transfer stops within the SDK's stop poll, 50 ms)."""
         with self._cond:
             job = self._by_order.get(order_id)
             if job is not None:
-                self._drop(job)
+                self._counters.add("prefetch_dropped")
+                self._abandon(job)
 
     def take(self, mm_hash: str, wait_until: float) -> HostEntry | None:
         """The held entry of ``mm_hash``, now owned by the caller; one still being
         fetched is waited for until ``wait_until``. ``None``: not held (the caller
-        fetches it; a prefetch still under way then is dropped)."""
+        fetches it; a prefetch still under way then is abandoned)."""
         with self._cond:
             job = self._jobs.get(mm_hash)
             while job is not None and job.state is not _State.HELD:
                 remaining = wait_until - time.monotonic()
-                if job.cancelled or remaining <= 0:
-                    self._drop(job)
+                if remaining <= 0:
+                    self._counters.add("prefetch_dropped")
+                    self._abandon(job)
                     return None
                 self._cond.wait(remaining)
                 job = self._jobs.get(mm_hash)
@@ -262,32 +269,33 @@ class Prefetcher:
             return PrefetchReport(frozenset(held), failed, self._used)
 
     def close(self) -> None:
-        """Drop everything; the threads end (fetches in flight end with their timeouts)."""
+        """Drop everything; the threads end (fetches in flight stop within 50 ms)."""
         with self._cond:
             self._closed = True
             for job in list(self._jobs.values()):
-                if job.state is _State.FETCHING:
-                    job.cancelled = True
-                else:
-                    self._remove(job)
+                self._abandon(job)
             self._cond.notify_all()
 
     # ---------------------------------------------------------------- threads
 
-    def _start_threads(self) -> None:
-        while len(self._threads) < self._threads_wanted:
-            thread = threading.Thread(
-                target=self._run, name=f"ec-cache-prefetch-{len(self._threads)}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
+    def _start_thread(self) -> None:
+        thread = threading.Thread(
+            target=self._run, name=f"ec-cache-prefetch-{self._threads}", daemon=True
+        )
+        self._threads += 1
+        thread.start()
 
     def _run(self) -> None:
         while True:
             with self._cond:
+                if self._retiring:  # a fetch of this thread was abandoned: replaced
+                    self._retiring -= 1
+                    self._threads -= 1
+                    return
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if self._closed:
+                    self._threads -= 1
                     return
                 job = self._queue.popleft()
                 job.state = _State.FETCHING
@@ -308,15 +316,17 @@ class Prefetcher:
         nbytes = math.prod(shape) * self._dtype.itemsize
         if not self._reserve(job, nbytes):
             return
-        entry = self._allocate(shape, nbytes)
+        entry = self._allocate(job, shape, nbytes)
         tensor, error = fetch_until(
-            lambda: self._client.get(order.key, out=entry.tensor),
+            lambda: self._client.get(
+                order.key, out=entry.tensor, timeout=job.deadline - time.monotonic(), stop=job.stop
+            ),
             job.deadline,
             self._counters,
-            stop=lambda: job.cancelled or self._closed,
+            stop=job.stop,
         )
         with self._cond:
-            if tensor is None or job.cancelled or self._closed:
+            if tensor is None or job.abandoned:
                 entry.release()
                 self._give_up(job, error or "not found")
             else:
@@ -335,10 +345,12 @@ class Prefetcher:
         if order.num_embeds is not None and order.width is not None:
             return (order.num_embeds, order.width), None
         info, error = fetch_until(
-            lambda: self._client.head(order.key),
+            lambda: self._client.head(
+                order.key, timeout=job.deadline - time.monotonic(), stop=job.stop
+            ),
             job.deadline,
             self._counters,
-            stop=lambda: job.cancelled or self._closed,
+            stop=job.stop,
         )
         if info is None:
             return None, error
@@ -349,51 +361,55 @@ class Prefetcher:
         return (None, wrong) if wrong else (info.shape, None)
 
     def _reserve(self, job: _Job, nbytes: int) -> bool:
-        """Wait for ``nbytes`` of room in the budget until the job's deadline."""
+        """Wait for room for ``nbytes`` (a new pooled buffer's capacity) in the budget
+        until the job's deadline; make it by dropping idle pooled buffers."""
+        need = self._staging.capacity_for(nbytes) if self._staging is not None else nbytes
         with self._cond:
-            if nbytes > self._budget:
-                self._fail(job, f"{nbytes} bytes do not fit prefetch_buffer_bytes ({self._budget})")
+            if need > self._budget:
+                self._fail(job, f"{need} bytes do not fit prefetch_buffer_bytes ({self._budget})")
                 return False
             waited = False
-            while self._used + nbytes > self._budget:
+            while self._used + need > self._budget:
                 remaining = job.deadline - time.monotonic()
-                if job.cancelled or self._closed or remaining <= 0:
+                if job.abandoned or remaining <= 0:
                     break
                 if not waited:
                     waited = True
                     self._counters.add("prefetch_budget_waits")
                 self._cond.wait(remaining)
-            if job.cancelled or self._closed or self._used + nbytes > self._budget:
+            if job.abandoned or self._used + need > self._budget:
                 self._give_up(job, "no room in prefetch_buffer_bytes before the deadline")
                 return False
-            self._used += nbytes
-            job.reserved = nbytes
+            self._used += need
+            job.reserved = need
+            if self._staging is not None:
+                self._staging.trim(self._budget - self._used)
             return True
 
-    def _allocate(self, shape: tuple[int, ...], nbytes: int) -> HostEntry:
+    def _allocate(self, job: _Job, shape: tuple[int, ...], nbytes: int) -> HostEntry:
         if self._staging is None:
             return HostEntry(torch.empty(shape, dtype=self._dtype), nbytes)
-        # Pinned memory stays within the budget: idle buffers go before a new one.
-        if self.held_bytes + self._staging.stats()["idle_bytes"] > self._budget:
-            self._staging.clear()
         lease = self._staging.acquire(nbytes)
+        with self._cond:  # a reused idle buffer may be larger: it moved out of idle
+            if job.reserved:
+                self._used += lease.capacity - job.reserved
+                job.reserved = lease.capacity
         return HostEntry(typed_view(lease.tensor, nbytes, self._dtype, shape), nbytes, lease)
 
     # ------------------------------------------------------- under self._cond
 
-    def _drop(self, job: _Job) -> None:
-        if job.cancelled:
-            return
-        self._counters.add("prefetch_dropped")
-        if job.state is _State.FETCHING:
-            job.cancelled = True  # removed when the fetch ends
-            self._by_order.pop(job.order.order_id, None)
-        else:
-            self._remove(job)
+    def _abandon(self, job: _Job) -> None:
+        """Forget ``job`` now; a fetch in flight is told to stop and its thread is
+        replaced, so that the next order does not wait for it."""
+        if job.state is _State.FETCHING and not job.abandoned and not self._closed:
+            self._retiring += 1
+            self._start_thread()
+        job.abandoned = True
+        self._remove(job)
 
     def _give_up(self, job: _Job, why: str) -> None:
-        """End ``job`` without an entry: dropped if it was released, else failed."""
-        if job.cancelled or self._closed:
+        """End ``job`` without an entry: failed unless it was abandoned."""
+        if job.abandoned or self._closed:
             self._remove(job)
         else:
             self._fail(job, why)
@@ -403,6 +419,7 @@ class Prefetcher:
             return
         self._counters.add("prefetch_fetch_failed")
         self._failed.add(job.order.order_id)
+        self._on_failure(job.order.key)
         self._failures_logged += 1
         # The first failures in full, then one line per 100 to keep logs readable.
         if self._failures_logged <= 3 or self._failures_logged % 100 == 0:
