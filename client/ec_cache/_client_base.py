@@ -15,8 +15,8 @@ import httpx
 import torch
 
 from ._buffers import BufferPool
+from ._call_limit import CallLimit
 from ._config import Limits, Retries, Timeouts
-from ._deadline import Deadline
 from ._exceptions import UnavailableError
 from ._failures import RetryableStatus, error_for
 from ._receiver import Receiver
@@ -124,21 +124,21 @@ class ClientBase:
         return error
 
     def _retry_delay(
-        self, error: Exception, attempt: int, attempts: int, deadline: Deadline | None = None
+        self, error: Exception, attempt: int, attempts: int, limit: CallLimit | None = None
     ) -> float | None:
         """Seconds before the next try of a request whose try number ``attempt`` (of
         ``attempts``) failed with ``error``; ``None``: give up. Transport errors and
         the statuses of ``Retries.statuses`` are retried, within the call's
-        ``deadline``."""
+        ``limit``."""
         if attempt >= attempts or not isinstance(error, httpx.TransportError | RetryableStatus):
             return None
         delay = self.retries.delay(attempt)
-        left = None if deadline is None else deadline.left()
+        left = None if limit is None else limit.left()
         return None if left is not None and left <= delay else delay
 
-    def _phase_timeout(self, deadline: Deadline) -> httpx.Timeout:
-        """The client's timeouts, none longer than what is left of ``deadline``."""
-        left, t = deadline.left(), self.timeouts
+    def _phase_timeout(self, limit: CallLimit) -> httpx.Timeout:
+        """The client's timeouts, none longer than what is left of ``limit``."""
+        left, t = limit.left(), self.timeouts
         if left is None:
             return t.to_httpx()
         return httpx.Timeout(

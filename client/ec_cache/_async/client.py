@@ -12,10 +12,10 @@ import torch
 
 from .._answers import entry_info, json_body
 from .._backends import AsyncMapper
+from .._call_limit import CallLimit
 from .._client_base import ClientBase, Device, Progress, default_headers, device_of
 from .._config import Limits, Retries, Timeouts
 from .._cookies import DiscardingCookieJar
-from .._deadline import Deadline
 from .._exceptions import ConnectError, ECCacheError, IntegrityError, TransportError
 from .._exists import EXISTS_BATCH, exists_batches, exists_body, present_list
 from .._failures import RetryableStatus, to_ec_error
@@ -163,6 +163,7 @@ class AsyncClient(ClientBase):
         progress: Progress | None = None,
         timeout: float | None = None,
         stop: Callable[[], bool] | None = None,
+        min_rate: float | None = None,
     ) -> torch.Tensor | None:
         """The tensor stored under ``hash``, or ``None`` on a miss (404, or 503 unless
         ``raise_on_unavailable``).
@@ -171,16 +172,18 @@ class AsyncClient(ClientBase):
         ``out``: an existing tensor of the entry's dtype and shape to fill (returned).
         ``timeout``: seconds for the whole call, every try and body byte included (a
         server that trickles its answer cannot hold it longer); ``stop``: asked every
-        50 ms while waiting, ends the call once it returns ``True``. Either ends the
-        call with :class:`TransportError`. The result owns its memory. Raises
-        :class:`IntegrityError` when the body does not match its checksum or headers.
+        50 ms while waiting, ends the call once it returns ``True``; ``min_rate``:
+        bytes per second the body must average, from one second after its head came.
+        Each ends the call with :class:`TransportError`. The result owns its memory.
+        Raises :class:`IntegrityError` when the body does not match its checksum or
+        headers.
         """
         path = self._path(hash)
         dev = device_of(device)
-        deadline = Deadline.of(timeout, stop)
+        limit = CallLimit.of(timeout, stop, min_rate)
 
         async def op(url: str) -> torch.Tensor | None:
-            response = await self._send("GET", url, path, deadline=deadline)
+            response = await self._send("GET", url, path, limit=limit)
             try:
                 if response.status_code == 200:
                     return await self._receive(response, url, dev, out, progress)
@@ -189,7 +192,7 @@ class AsyncClient(ClientBase):
             finally:
                 await response.aclose()
 
-        return await self._call(self._order(hash), op, deadline=deadline)
+        return await self._call(self._order(hash), op, limit=limit)
 
     async def head(
         self,
@@ -202,17 +205,17 @@ class AsyncClient(ClientBase):
         ``None`` on a miss. Never transfers the body. ``timeout`` and ``stop``: as
         for :meth:`get`."""
         path = self._path(hash)
-        deadline = Deadline.of(timeout, stop)
+        limit = CallLimit.of(timeout, stop)
 
         async def op(url: str) -> EntryInfo | None:
-            response = await self._send("HEAD", url, path, deadline=deadline)
+            response = await self._send("HEAD", url, path, limit=limit)
             await response.aread()  # the empty body: the connection can be reused
             if response.status_code == 200:
                 return entry_info(hash, response, url)
             await self._miss(response, url)
             return None
 
-        return await self._call(self._order(hash), op, deadline=deadline)
+        return await self._call(self._order(hash), op, limit=limit)
 
     async def exists(self, hash: str) -> bool:
         """Whether ``hash`` is stored (a ``HEAD``; a 503 counts as absent)."""
@@ -344,7 +347,7 @@ class AsyncClient(ClientBase):
         body: httpx.AsyncByteStream | None = None,
         headers: dict[str, str] | None = None,
         *,
-        deadline: Deadline | None = None,
+        limit: CallLimit | None = None,
     ) -> httpx.Response:
         """``method url+path`` with the client's headers and timeouts, streamed;
         ``body`` and its ``headers`` (its Content-Length among them), if given, are
@@ -354,7 +357,7 @@ class AsyncClient(ClientBase):
         ``httpx.Request`` (URL parsing, header merging) and ``httpx.Client.send``
         (auth and redirect machinery, none of which the SDK uses) cost more client CPU
         than the rest of a GET's Python together. Same headers, timeouts, pool and
-        exceptions; no ``response.request``. ``deadline`` bounds the whole exchange
+        exceptions; no ``response.request``. ``limit`` bounds the whole exchange
         (through a stock httpx transport, each of its phases)."""
         route = self._routes.get(url)
         if route is None or self._transport is None or self._http.is_closed:
@@ -362,9 +365,7 @@ class AsyncClient(ClientBase):
                 method,
                 url + path,
                 headers=headers,
-                timeout=httpx.USE_CLIENT_DEFAULT
-                if deadline is None
-                else self._phase_timeout(deadline),
+                timeout=httpx.USE_CLIENT_DEFAULT if limit is None else self._phase_timeout(limit),
             )
             if body is not None:
                 request.stream = body
@@ -372,7 +373,7 @@ class AsyncClient(ClientBase):
         fields = route.headers
         if headers:
             fields = [*fields, *((k.encode(), v.encode()) for k, v in headers.items())]
-        out = Outgoing(method.encode(), route.target(path), fields, body, None, deadline)
+        out = Outgoing(method.encode(), route.target(path), fields, body, None, limit)
         response = await self._transport.send(route.key, out, self._timeouts)
         log_response(method, url + path, response)
         return response
@@ -400,11 +401,11 @@ class AsyncClient(ClientBase):
         op: Callable[[str], Awaitable[T]],
         *,
         resend: bool = True,
-        deadline: Deadline | None = None,
+        limit: CallLimit | None = None,
     ) -> T:
         """Run ``op(url)`` over the replica order with failover, retried as
         ``Retries`` says (``resend=False``: only a refused connection is tried again,
-        on the next replica) until ``deadline``."""
+        on the next replica) within ``limit``."""
         attempts = self.retries.attempts if resend else 1
         tried = order[0]
 
@@ -423,7 +424,7 @@ class AsyncClient(ClientBase):
         try:
             return await retried(
                 over_replicas,
-                lambda error, attempt: self._retry_delay(error, attempt, attempts, deadline),
+                lambda error, attempt: self._retry_delay(error, attempt, attempts, limit),
             )
         except (httpx.TransportError, RetryableStatus) as exc:
             raise to_ec_error(exc, tried) from None

@@ -42,7 +42,7 @@ import h11
 import httpx
 
 from .._backends import AsyncSemaphore, AsyncSocket
-from .._deadline import Deadline
+from .._call_limit import CallLimit
 from .._head import Head, parse_plain_head, plain_request_head
 
 __all__ = ["AsyncResponseBody", "AsyncTransport"]
@@ -73,9 +73,9 @@ class Outgoing:
     from an ``httpx.Request``, or what :meth:`AsyncTransport.send` is given directly
     (the clients' own requests, which skip building an ``httpx.Request``).
     ``request`` is the ``httpx.Request`` named by exceptions, when there is one;
-    ``deadline`` bounds the whole exchange, body included (see ``ec_cache._deadline``)."""
+    ``limit`` bounds the whole exchange, body included (see ``ec_cache._call_limit``)."""
 
-    __slots__ = ("deadline", "expect", "headers", "method", "request", "stream", "target")
+    __slots__ = ("expect", "headers", "limit", "method", "request", "stream", "target")
 
     def __init__(
         self,
@@ -84,9 +84,9 @@ class Outgoing:
         headers: list[tuple[bytes, bytes]],
         stream: httpx.AsyncByteStream | None,
         request: httpx.Request | None,
-        deadline: Deadline | None = None,
+        limit: CallLimit | None = None,
     ) -> None:
-        self.deadline = deadline
+        self.limit = limit
         self.method = method
         self.target = target
         self.headers = headers
@@ -134,7 +134,7 @@ class AsyncConnection:
         self.last_used = time.monotonic()
         self.closed = False
         self._buf = bytearray(HEAD_RECV)
-        self.deadline: Deadline | None = None  # of the request in progress
+        self.limit: CallLimit | None = None  # of the request in progress
         self.reset()
 
     def reset(self) -> None:
@@ -203,7 +203,7 @@ class AsyncConnection:
         self, mv: memoryview, timeout: float | None, deadline: float | None = None
     ) -> int:
         """One receive into ``mv``: ``TimeoutError`` after ``timeout`` seconds without
-        data, at ``deadline`` (monotonic), or when the request's own deadline is over."""
+        data, at ``deadline`` (monotonic), or when the request's own limit is reached."""
         end = deadline
         if timeout is not None:
             end = min(time.monotonic() + timeout, end if end is not None else float("inf"))
@@ -211,13 +211,17 @@ class AsyncConnection:
             wait = None if end is None else end - time.monotonic()
             if wait is not None and wait <= 0:
                 raise TimeoutError("nothing received in time")
-            if self.deadline is not None:
-                wait = self.deadline.wait(wait)
+            if self.limit is not None:
+                wait = self.limit.wait(wait)
             try:
-                return await self.sock.recv_into(mv, wait)
+                n = await self.sock.recv_into(mv, wait)
             except TimeoutError:
-                if self.deadline is None:
+                if self.limit is None:
                     raise
+                continue
+            if self.limit is not None:
+                self.limit.received(n)
+            return n
 
     async def _receive(self, timeout: float | None, deadline: float | None) -> int:
         n = await self.recv_into(memoryview(self._buf), timeout, deadline)
@@ -305,9 +309,10 @@ class AsyncResponseBody(httpx.AsyncByteStream):
                         f"unexpected {type(event).__name__} in a response body",
                         request=self._request,
                     )
-        except TimeoutError:
+        except TimeoutError as exc:
             self._abort()
-            raise httpx.ReadTimeout("timed out reading the body", request=self._request) from None
+            why = str(exc) or "timed out"
+            raise httpx.ReadTimeout(f"reading the body: {why}", request=self._request) from None
         except h11.RemoteProtocolError as exc:
             self._abort()
             raise httpx.RemoteProtocolError(f"body: {exc}", request=self._request) from None
@@ -468,7 +473,7 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         is in; its body is ``response.extensions["ec_body"]``. ``timeouts`` has httpx's
         keys (``connect``, ``read``, ``write``, ``pool``). Raises httpx's exceptions."""
         request = out.request
-        bound = out.deadline
+        bound = out.limit
         slot = self._slot(key)
         pool_wait = timeouts.get("pool")
         try:
@@ -513,7 +518,7 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         release_slot: Callable[[], None],
     ) -> httpx.Response:
         request = out.request
-        conn.deadline = out.deadline
+        conn.limit = out.limit
         plain = None
         if out.stream is None:  # GET, HEAD: the head may be written without h11
             plain = plain_request_head(out.method, out.target, out.headers)
@@ -579,6 +584,8 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         release_slot: Callable[[], None],
     ) -> httpx.Response:
         response_head, framed_length = answer
+        if out.limit is not None:
+            out.limit.body_started()
         body = AsyncResponseBody(
             self,
             conn,

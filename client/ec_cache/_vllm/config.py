@@ -83,6 +83,7 @@ class ECCacheConnectorConfig(BaseModel):
     # worker: load
     load_mode: Literal["async", "sync"] = "async"
     load_timeout_s: Timeout = 10.0
+    load_min_bytes_per_s: Annotated[int, BeforeValidator(parse_size), Field(ge=0)] = 1 << 20
     load_concurrency: Count = 8
     prefetch_buffer_bytes: ByteSize = 1 << 30
     on_load_failure: Literal["recompute", "raise"] = "recompute"

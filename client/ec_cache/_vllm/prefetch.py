@@ -40,6 +40,7 @@ __all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "fetch_until"]
 T = TypeVar("T")
 
 # Failures that a later attempt may not meet: 503, transport errors, a corrupted body.
+# Not a timeout: each call is given all the time left (or its body was too slow).
 _TRANSIENT = (ec_cache.UnavailableError, ec_cache.TransportError, ec_cache.IntegrityError)
 
 
@@ -50,16 +51,21 @@ def fetch_until(
     stop: Callable[[], bool] = lambda: False,
 ) -> tuple[T | None, str | None]:
     """``call()`` (a GET or HEAD), retried on transient failures (503, transport
-    errors, a corrupted body) until ``deadline`` or ``stop()``, 50 ms apart and then
-    twice as long each time, up to 1 s. A 404 (``None``) and any other error are
-    final. Returns the result, or ``None`` and why."""
+    errors but timeouts, a corrupted body) until ``deadline`` or ``stop()``, 50 ms
+    apart and then twice as long each time, up to 1 s. A 404 (``None``), a timeout
+    and any other error are final. Returns the result, or ``None`` and why."""
     attempts = 0
 
     def delay(error: Exception, attempt: int) -> float | None:
         nonlocal attempts
         attempts = attempt
         wait = backoff(attempt, 0.05, 1.0)
-        if not isinstance(error, _TRANSIENT) or time.monotonic() + wait >= deadline or stop():
+        if (
+            not isinstance(error, _TRANSIENT)
+            or isinstance(error, ec_cache.TransportTimeout)
+            or time.monotonic() + wait >= deadline
+            or stop()
+        ):
             return None
         counters.add("load_retries")
         return wait
@@ -89,6 +95,7 @@ class EntryClient(Protocol):
         out: torch.Tensor | None = None,
         timeout: float | None = None,
         stop: Callable[[], bool] | None = None,
+        min_rate: float | None = None,
     ) -> torch.Tensor | None: ...
 
 
@@ -161,7 +168,8 @@ class Prefetcher:
     its capacity, and the pool's idle buffers count too (they are dropped, the largest
     first, to make room). Each order must be held within ``timeout_s`` of its arrival
     (waiting for room included); a fetch ends at that deadline wherever it is (the
-    SDK bounds the whole transfer, not each receive). ``staging``: the pool of
+    SDK bounds the whole transfer, not each receive), or sooner when its body
+    arrives slower than ``min_rate`` bytes per second. ``staging``: the pool of
     (pinned) buffers to receive into; without it each entry gets a tensor of its own
     (CPU workers: handed to vLLM as it is). ``on_failure(key)``: an entry could not be
     fetched (its key is no longer known to be present)."""
@@ -175,6 +183,7 @@ class Prefetcher:
         threads: int,
         timeout_s: float,
         counters: Counters,
+        min_rate: float | None = None,
         on_failure: Callable[[str], None] = lambda key: None,
         staging: BufferPool | None = None,
     ) -> None:
@@ -183,6 +192,7 @@ class Prefetcher:
         self._budget = budget_bytes
         self._threads_wanted = threads
         self._timeout = timeout_s
+        self._min_rate = min_rate
         self._counters = counters
         self._on_failure = on_failure
         self._staging = staging
@@ -319,7 +329,11 @@ class Prefetcher:
         entry = self._allocate(job, shape, nbytes)
         tensor, error = fetch_until(
             lambda: self._client.get(
-                order.key, out=entry.tensor, timeout=job.deadline - time.monotonic(), stop=job.stop
+                order.key,
+                out=entry.tensor,
+                timeout=job.deadline - time.monotonic(),
+                stop=job.stop,
+                min_rate=self._min_rate,
             ),
             job.deadline,
             self._counters,

@@ -41,6 +41,8 @@ __all__ = ["ConnectorWorker"]
 
 _Result = tuple[torch.Tensor | None, str | None]
 
+STAGING_MIN_BYTES = 4096
+
 
 def _default_load_device() -> str:
     """The worker's own device: ``cuda:{current_device()}``, never bare ``cuda``
@@ -136,9 +138,16 @@ class ConnectorWorker:
                 threads=self.config.load_concurrency,
                 timeout_s=self.config.load_timeout_s,
                 counters=self._counters,
+                min_rate=self.config.load_min_bytes_per_s or None,
                 on_failure=self._known_present.discard,
-                # Pinned staging so that the copy to the GPU is asynchronous.
-                staging=BufferPool(self.config.prefetch_buffer_bytes, steps=16) if on_gpu else None,
+                # Pinned staging so that the copy to the GPU is asynchronous; size
+                # classes 1/16 apart from one page up, so that small entries count
+                # (and take) about their own size in the budget.
+                staging=BufferPool(
+                    self.config.prefetch_buffer_bytes, steps=16, min_capacity=STAGING_MIN_BYTES
+                )
+                if on_gpu
+                else None,
             )
         return self.prefetcher
 
@@ -227,7 +236,12 @@ class ConnectorWorker:
         """Get one entry, retrying transient failures until ``deadline``."""
         client = self._load_client
         return fetch_until(
-            lambda: client.get(load.key, device=device, timeout=deadline - time.monotonic()),
+            lambda: client.get(
+                load.key,
+                device=device,
+                timeout=deadline - time.monotonic(),
+                min_rate=self.config.load_min_bytes_per_s or None,
+            ),
             deadline,
             self._counters,
         )
