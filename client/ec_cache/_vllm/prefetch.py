@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import math
 import threading
 import time
@@ -102,11 +103,13 @@ class EntryClient(Protocol):
 @dataclass
 class HostEntry:
     """One fetched entry in host memory: ``tensor`` is a view into ``lease`` (a pooled,
-    pinned-where-CUDA buffer) or, without a staging pool, a tensor of its own."""
+    pinned-where-CUDA buffer) or, without a staging pool, a tensor of its own.
+    ``on_release``: called once the lease went back (the budget gets its bytes)."""
 
     tensor: torch.Tensor
     nbytes: int
     lease: PooledBuffer | None = None
+    on_release: Callable[[], None] | None = None
 
     def to_device(self, device: torch.device) -> torch.Tensor:
         """The tensor on ``device``: a ``non_blocking`` copy on the current stream from
@@ -121,8 +124,11 @@ class HostEntry:
 
     def release(self) -> None:
         lease, self.lease = self.lease, None
+        on_release, self.on_release = self.on_release, None
         if lease is not None:
             lease.release()
+        if on_release is not None:
+            on_release()
 
 
 @dataclass(frozen=True)
@@ -259,6 +265,11 @@ class Prefetcher:
                 return None
             entry = job.entry
             job.entry = None
+            if entry is not None and entry.lease is not None:
+                # The caller holds the buffer until its copy is done: the budget
+                # gets the bytes back then.
+                entry.on_release = functools.partial(self._unreserve, job.reserved)
+                job.reserved = 0
             self._remove(job)
             return entry
 
@@ -444,6 +455,11 @@ class Prefetcher:
                 why,
             )
         self._remove(job)
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
 
     def _remove(self, job: _Job) -> None:
         if self._jobs.get(job.order.mm_hash) is job:

@@ -27,15 +27,19 @@ def check_shape(shape: tuple[int, ...], num_embeds: int | None, width: int | Non
 
 
 def config_width(model_config: Any) -> int | None:
-    """The encoder output width a model's config implies, or ``None`` when it says
-    nothing usable (no model config, a text-only one)."""
-    try:
-        width = int(model_config.get_inputs_embeds_size())
-    except (AttributeError, TypeError, ValueError):
-        return None
+    """The encoder output width a vLLM ``ModelConfig`` implies, or ``None`` when it
+    says nothing usable: the language model's input embedding size, or for a
+    DeepStack vision tower (Qwen3-VL) its output size once per level, the main one
+    included (as vLLM's model concatenates them)."""
     vision = getattr(getattr(model_config, "hf_config", None), "vision_config", None)
     levels = getattr(vision, "deepstack_visual_indexes", None)
-    return width * (1 + len(levels)) if isinstance(levels, list | tuple) else width
+    out_size = getattr(vision, "out_hidden_size", None)
+    if isinstance(levels, list | tuple) and isinstance(out_size, int):
+        return out_size * (1 + len(levels))
+    try:
+        return int(model_config.get_inputs_embeds_size())
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 class EncoderWidth:
