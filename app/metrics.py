@@ -173,8 +173,8 @@ class ClaimMetrics:
         self.registry = registry
         self.claims = Counter(
             "ec_claims",
-            "Claim answers by outcome: granted, computing (held by another owner), "
-            "present, full (EC_CLAIM_MAX_KEYS claims live: not granted).",
+            "Claims asked for absent keys, by outcome: granted, computing (held by "
+            "another owner), full (EC_CLAIM_MAX_KEYS claims live: not granted).",
             ["outcome"],
             registry=registry,
         )
