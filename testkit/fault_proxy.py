@@ -29,7 +29,8 @@ each of which can be changed while it runs:
     * ``corrupt``: forwarded with the body's last byte flipped (its checksum kept);
     * ``slow``: forwarded after ``delay_s`` (held back, or past a timeout).
 ``exists_delay_s``
-    ``POST .../_exists`` is forwarded after that long.
+    a namespace's questions (``POST .../_exists``, ``_claim``, ``_release``,
+    ``_wait``) are forwarded after that long.
 
 Another process (a vLLM engine under test) sets ``mode``, ``delay_s`` and
 ``exists_delay_s`` with ``POST /_fault`` and a JSON object of them.
@@ -83,7 +84,10 @@ class Request:
 
     @property
     def is_exists(self) -> bool:
-        return self.target.endswith("/_exists")
+        """A namespace's question: existence, or a claim (its connector form)."""
+        return self.method == "POST" and self.target.endswith(
+            ("/_exists", "/_claim", "/_release", "/_wait")
+        )
 
     @property
     def is_entry_get(self) -> bool:
