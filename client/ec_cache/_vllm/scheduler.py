@@ -161,7 +161,9 @@ class ConnectorScheduler:
         if not self._claims_granted:
             return [_answer(status) for status in client.status_many(keys)]
         statuses = client.claim_many(keys, lease=self._claim_lease_s)
-        self._counters.add("claims_granted", sum(status.granted for status in statuses))
+        granted = sum(status.granted for status in statuses)
+        if granted:
+            self._counters.add("claims_granted", granted)
         return [_answer(status) for status in statuses]
 
     def _wait_many(self, identifiers: list[str], timeout: float) -> list[bool | None]:
