@@ -121,14 +121,33 @@ def test_an_engine_that_does_not_save_waits_but_never_claims(
     extra = {"url": server.url, "model": model, "dtype": DTYPE, **WAIT}
     producer = engine(connector, monkeypatch, extra)
     consumer = engine(connector, monkeypatch, extra, role="ec_consumer")
-    req_a, req_b = make_request([h], req_id="a"), make_request([h, other], req_id="b")
+    req_a, req_b = make_request([h], req_id="a"), make_request([h], req_id="b")
+    req_c = make_request([other], req_id="c")
     producer.run_until_scheduled([req_a])
-    defer_until(consumer, req_b, "claims_contended")
+    assert consumer.run_until_scheduled([req_c]).computed == {"c": [0]}
     assert claim_state(server, model, other) == "absent"  # asked, not claimed
+    defer_until(consumer, req_b, "claims_contended")
     output = embeds(seed=5)
     producer.workers[0].save_caches({h: output}, h)
     assert producer.workers[0].flush(timeout=30)
-    step = consumer.run_until_scheduled([req_b])
-    assert step.computed == {"b": [1]}  # the landed item loaded, the other computed
+    assert consumer.run_until_scheduled([req_b]).computed == {}
     assert torch.equal(consumer.caches[0][h], output)
-    assert "claims_granted" not in consumer.sched.counters()
+    c = consumer.sched.counters()
+    assert c["claims_landed"] == 1 and "claims_granted" not in c
+
+
+def test_a_request_this_engine_encodes_anyway_does_not_wait_for_others(
+    server: Server, connector: Callable[..., ECCacheConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two engines that each claimed an item of the same request must not wait for
+    each other until a lease ends: a request with an item to encode here runs now."""
+    model, theirs, mine = ns(), mm_hash(), mm_hash()
+    extra = {"url": server.url, "model": model, "dtype": DTYPE, **WAIT}
+    other, this = engine(connector, monkeypatch, extra), engine(connector, monkeypatch, extra)
+    req_a, req_b = make_request([theirs], req_id="a"), make_request([theirs, mine], req_id="b")
+    other.run_until_scheduled([req_a])
+    assert this.run_until_scheduled([req_b]).computed == {"b": [0, 1]}
+    c = this.sched.counters()
+    assert c["claims_granted"] == 1 and c["claims_contended"] == 1
+    assert c["claims_computed_after_wait"] == 1
+    assert claim_state(server, model, mine) == "computing"  # its own claim, until its upload

@@ -100,6 +100,7 @@ class Existence:
         self._closed = False
         # Items another engine computes: their waits' outcomes, not collected yet.
         self._waiting: set[str] = set()
+        self._given_up: set[str] = set()  # waiting, but computed here meanwhile
         self._waited: list[tuple[list[str], list[bool | None] | None, float]] = []
         self._waiters = ThreadPoolExecutor(_WAITERS, thread_name_prefix="ec-cache-claim-wait")
 
@@ -140,6 +141,13 @@ class Existence:
     def is_waiting(self, identifier: str) -> bool:
         """Whether another engine computes ``identifier`` and a wait for it is out."""
         return identifier in self._waiting
+
+    def stop_waiting(self, identifier: str) -> None:
+        """This engine computes ``identifier`` after all (its request runs now); the
+        wait's outcome, when it comes, is only remembered."""
+        if identifier in self._waiting and identifier not in self._given_up:
+            self._given_up.add(identifier)
+            self._counters.add("claims_computed_after_wait")
 
     def ask(self, identifiers: Iterable[str]) -> None:
         """One blocking round trip for those of ``identifiers`` not answered yet."""
@@ -322,6 +330,11 @@ class Existence:
         self._counters.add("claims_wait_seconds", seconds * len(identifiers))
         outcomes = landed if landed is not None else [None] * len(identifiers)
         for identifier, present in zip(identifiers, outcomes, strict=True):
+            if identifier in self._given_up:
+                self._given_up.discard(identifier)
+                if present is True:
+                    self._hits.put(identifier, True)
+                continue
             if present is True:
                 self._counters.add("claims_landed")
                 self._step[identifier] = True

@@ -192,12 +192,17 @@ class ConnectorScheduler:
         if unknown:
             existence.ask_in_background(unknown, self._exists_wait_s)
         ready = True
+        waiting = computing_here = False
         for index in needed:
             identifier = features[index].identifier
             present = existence.known(identifier)
-            if present is None:
+            if present is None and existence.is_waiting(identifier):
+                waiting = True  # another engine encodes it
+            elif present is None:
                 ready = False  # the answer is not in yet
-            elif present and self._async_loads and identifier not in self._resident:
+            elif not present:
+                computing_here = True
+            elif self._async_loads and identifier not in self._resident:
                 status = self._planner.need(
                     request.request_id,
                     identifier,
@@ -206,6 +211,11 @@ class ConnectorScheduler:
                     self._width(request, index),
                 )
                 ready &= status not in (PrefetchStatus.ORDERED, PrefetchStatus.SHIPPED)
+        # A request whose encoder runs here anyway (an item this engine claimed) does
+        # not wait for other engines' items: two engines that each claimed an item of
+        # the same request would otherwise wait for each other until a lease ran out.
+        # Its waited-for items are then computed here too (has_cache_item).
+        ready &= not waiting or computing_here
         self._note_deferral(request.request_id, ready)
         return ready
 
@@ -230,7 +240,8 @@ class ConnectorScheduler:
         existence.collect()
         answer = existence.known(identifier)
         if answer is None and existence.is_waiting(identifier):
-            answer = False  # never block the loop on another engine's claim: compute
+            existence.stop_waiting(identifier)  # its request runs now: compute it
+            answer = False
         elif answer is None:  # a vLLM that did not call ensure_cache_available first
             if existence.is_asking(identifier):
                 existence.wait_for(identifier)
