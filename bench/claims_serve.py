@@ -87,23 +87,14 @@ def run(load: Workload, work: Path, log: Any) -> dict[str, Any]:
     model = build_model(work / f"qwen2-vl-{load.profile}", load.profile)
     passes: dict[str, list[dict[str, Any]]] = {name: [] for name in PAIRS}
     with ServerProcess(work / "ec", work / "ec.log") as cache, contextlib.ExitStack() as stack:
-        urls = {
-            name: [
-                stack.enter_context(
-                    serving(
-                        model,
-                        work / f"{'on' if claims else 'off'}-{i}",
-                        connector_config(
-                            cache.url,
-                            model=f"{NAMESPACE}-{'on' if claims else 'off'}",
-                            claims=claims,
-                        ),  # fmt: skip
-                    )
-                )
+        urls: dict[str, list[str]] = {}
+        for name, claims in PAIRS.items():
+            side = "on" if claims else "off"
+            config = connector_config(cache.url, model=f"{NAMESPACE}-{side}", claims=claims)
+            urls[name] = [
+                stack.enter_context(serving(model, work / f"{side}-{i}", config))
                 for i in range(ENGINES)
             ]
-            for name, claims in PAIRS.items()
-        }
         for seed in load.seeds:  # the pairs alternate, pass by pass
             for name in PAIRS:
                 slug = name.replace(" ", "-")
