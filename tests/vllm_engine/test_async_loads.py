@@ -34,6 +34,10 @@ from testkit.vllm_engine.scenarios import (
 )
 from tests.vllm_engine.conftest import EngineRun, request_counts
 
+# The module fixture runs three engines: over the suite's 300 s on a busy 2-core
+# machine (a CPU hog beside it: 300 s reached during the third engine).
+pytestmark = pytest.mark.timeout(900)
+
 # Both connector runs: no uploads (the cache is filled once), answers to _exists
 # held EXISTS_HOLD_S must not time out.
 SETTINGS = {"save": False, "load_timeout_s": LOAD_TIMEOUT_S, "exists_timeout_s": 0.5}
