@@ -10,8 +10,10 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import safetensors.numpy
 import safetensors.torch
 import torch
 
@@ -27,12 +29,13 @@ def run(
     model: str = "cli/model",
     dtype: str | None = "float32",
     env: dict[str, str] | None = None,
+    python_flags: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, PYTHONPATH=str(CLIENT_DIR), **(env or {}))
     for name in ("EC_CACHE_URL", "EC_CACHE_MODEL", "EC_CACHE_DTYPE", "EC_CACHE_TOKEN"):
         if not env or name not in env:
             full_env.pop(name, None)
-    argv = [sys.executable, "-m", "ec_cache"]
+    argv = [sys.executable, *python_flags, "-m", "ec_cache"]
     if server is not None:
         argv += ["--url", server.url]
     if model:
@@ -51,6 +54,49 @@ def test_help_lists_commands_and_exit_codes() -> None:
     assert result.returncode == 0
     for word in ["head", "get", "put", "rm", "exists", "stats", "exit status", "EC_CACHE_URL"]:
         assert word in result.stdout
+
+
+def imported_modules(stderr: str) -> set[str]:
+    """The modules a ``python -X importtime`` process imported, from its stderr."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip())
+    return names
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["--help"],
+        ["head", "HASH"],
+        ["exists", "HASH"],
+        ["ls"],
+        ["du"],
+        ["stats"],
+        ["get", "HASH", "-o", os.devnull],
+    ],
+)
+def test_only_commands_that_move_a_tensor_import_torch(
+    server: ServerProcess, command: list[str]
+) -> None:
+    """torch takes seconds to import: ``--help``, ``head``, ``exists``, ``ls``, ``du``
+    and ``stats`` must run without it; ``get`` shows that the check sees the import."""
+    h = key()
+    tensor = np.arange(6, dtype=np.float32)
+    with httpx.Client() as http:
+        body = safetensors.numpy.save({"tensor": tensor})
+        assert http.put(f"{server.url}/ec/cli/model/float32/{h}", content=body).status_code == 201
+    args = [h if arg == "HASH" else arg for arg in command]
+    result = run(server, *args, python_flags=("-X", "importtime"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    modules = imported_modules(result.stderr)
+    assert "ec_cache._cli" in modules  # the check reads the real import list
+    torch_modules = sorted(m for m in modules if m == "torch" or m.startswith("torch."))
+    if command[0] == "get":
+        assert "torch" in torch_modules
+    else:
+        assert torch_modules == [], f"{command[0]} imported {torch_modules[:5]}"
 
 
 def test_put_safetensors_head_get_rm(server: ServerProcess, tmp_path: Path) -> None:

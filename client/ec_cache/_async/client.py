@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import torch
 
 from .._answers import entry_info, json_body
 from .._backends import AsyncMapper
@@ -24,6 +23,9 @@ from .._routes import direct_routes, log_response
 from .._tensors import EntryInfo, check_hashes
 from .retries import retried
 from .transport import AsyncResponseBody, AsyncTransport, Outgoing
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AsyncClient"]
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import torch
 
 from .._answers import entry_info, json_body
 from .._backends import Mapper
@@ -25,6 +24,9 @@ from .._routes import direct_routes, log_response
 from .._tensors import EntryInfo, check_hashes
 from .retries import retried
 from .transport import Outgoing, ResponseBody, Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Client"]
 
