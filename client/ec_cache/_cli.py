@@ -22,6 +22,7 @@ from ._exceptions import (
     IntegrityError,
     InvalidKeyError,
     InvalidTensorError,
+    UnavailableError,
 )
 from ._keys import DTYPE_NAMES
 from ._sync.client import Client
@@ -44,7 +45,8 @@ exit status:
   0  success
   1  miss: the entry (or, for `exists`, at least one entry) is not in the cache
   2  usage: bad arguments, invalid model/dtype/hash, unreadable or unsupported file
-  3  server or transport error (HTTP 4xx/5xx, refused connection, timeout)
+  3  server or transport error (HTTP 4xx/5xx, refused connection, timeout); a 503
+     (the server cannot tell, e.g. its S3 tier is unreachable) is this, not a miss
   4  integrity error: the received body does not match its checksum, dtype or shape
 
 environment:
@@ -348,6 +350,8 @@ def _client(args: argparse.Namespace, dtype: str | None = None) -> Client:
         token=args.token,
         timeouts=Timeouts.of(args.timeout),
         retries=Retries(attempts=max(1, args.retries)),
+        # An operator asking about an entry must tell "absent" from "cannot tell".
+        raise_on_unavailable=True,
     )
 
 
@@ -474,6 +478,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_ERROR if failed else EXIT_OK
 
 
+def _unavailable(exc: UnavailableError) -> str:
+    later = f"; retry in {exc.retry_after:g} s" if exc.retry_after is not None else ""
+    return f"server unavailable (HTTP 503 from {exc.url}): {exc.message}{later}"
+
+
 def _flatten(data: Any, prefix: str = "") -> list[str]:
     if isinstance(data, dict):
         out: list[str] = []
@@ -508,6 +517,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except IntegrityError as exc:
         print(f"ec-cache: integrity error: {exc}", file=sys.stderr)
         code = EXIT_INTEGRITY
+    except UnavailableError as exc:
+        print(f"ec-cache: {_unavailable(exc)}", file=sys.stderr)
+        code = EXIT_ERROR
     except ECCacheError as exc:
         print(f"ec-cache: {exc}", file=sys.stderr)
         code = EXIT_ERROR

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
+import ec_cache
 import httpx
 import numpy as np
 import pytest
@@ -246,3 +248,24 @@ def test_progress_on_stderr(server: ServerProcess, tmp_path: Path, progress: str
     assert ("MiB" in result.stderr) == (progress == "always")
     result = run(server, "get", h, "-o", str(tmp_path / "o.safetensors"), "--progress", progress)
     assert result.returncode == 0 and ("100.0%" in result.stderr) == (progress == "always")
+
+
+def test_503_is_an_outage_not_a_miss(make_server: Any) -> None:
+    """A server whose S3 tier is unreachable answers 503 for what its disk lacks:
+    ``head``, ``get`` and ``exists`` say the server is unavailable and exit 3 (a miss
+    exits 1), while the SDK's default client still reads it as a miss."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    # Credentials present (so the tier is configured), endpoint refusing connections.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", "ec-cache-test")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "ec-cache-test-secret")
+        srv = make_server(s3_endpoint_url=dead, s3_bucket="b")
+    h = key()
+    for args in (["head", h], ["get", h, "-o", os.devnull], ["exists", h]):
+        result = run(srv, *args)
+        assert result.returncode == 3, (args, result.stdout, result.stderr)
+        assert "server unavailable (HTTP 503 from " in result.stderr, result.stderr
+        assert "not found" not in result.stdout + result.stderr
+        assert "absent" not in result.stdout
+    with ec_cache.Client(srv.url, model="cli/model", dtype="float32") as client:
+        assert client.head(h) is None and client.exists_many([h]) == [False]
