@@ -25,6 +25,7 @@ from ._exceptions import (
     UnavailableError,
 )
 from ._keys import DTYPE_NAMES
+from ._routing import normalize_url
 from ._sync.client import Client
 from ._tensors import (
     EntryInfo,
@@ -343,8 +344,12 @@ def _client(args: argparse.Namespace, dtype: str | None = None) -> Client:
         raise _Fail(EXIT_USAGE, "--model (or $EC_CACHE_MODEL) is required")
     if not dtype:
         raise _Fail(EXIT_USAGE, "--dtype (or $EC_CACHE_DTYPE) is required")
+    try:
+        normalized = [normalize_url(url) for url in urls]
+    except ValueError as exc:
+        raise _Fail(EXIT_USAGE, str(exc)) from None
     return Client(
-        urls,
+        normalized,
         model=model,
         dtype=dtype,
         token=args.token,

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from ._routing import normalize_url
+
 EXIT_OK, EXIT_USAGE, EXIT_ERROR = 0, 2, 3
 POLL_SECONDS = 0.5
 
@@ -50,7 +52,10 @@ def _urls(args: argparse.Namespace) -> list[str]:
     urls = args.url or [
         u for u in os.environ.get("EC_CACHE_URL", "http://127.0.0.1:8080").split(",") if u
     ]
-    return [u.rstrip("/") for u in urls]
+    try:
+        return [normalize_url(u) for u in urls]
+    except ValueError as exc:
+        raise OpsError(EXIT_USAGE, str(exc)) from None
 
 
 def _http(args: argparse.Namespace) -> httpx.Client:

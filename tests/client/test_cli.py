@@ -269,3 +269,35 @@ def test_503_is_an_outage_not_a_miss(make_server: Any) -> None:
         assert "absent" not in result.stdout
     with ec_cache.Client(srv.url, model="cli/model", dtype="float32") as client:
         assert client.head(h) is None and client.exists_many([h]) == [False]
+
+
+def test_forbidden_head_names_the_missing_scope(tmp_path: Path) -> None:
+    """A HEAD answer has no body: the server puts its error in ``X-EC-Error``, and the
+    CLI says which scope or model the token lacks (not "no error body")."""
+    tokens = "writer:write:" + "w" * 20 + ";other:read,model=other/**:" + "o" * 20
+    with ServerProcess(tmp_path / "data", tmp_path / "log", auth_tokens=tokens) as srv:
+        answer = httpx.head(
+            f"{srv.url}/ec/cli/model/float32/{key()}",
+            headers={"Authorization": "Bearer " + "w" * 20},
+        )
+        assert answer.status_code == 403
+        assert answer.headers["x-ec-error"] == "forbidden: token 'writer' lacks the read scope"
+        for token, reason in [
+            ("w" * 20, "token 'writer' lacks the read scope"),
+            ("o" * 20, "token 'other' may not access model 'cli/model'"),
+        ]:
+            result = run(srv, "head", key(), env={"EC_CACHE_TOKEN": token})
+            assert result.returncode == 3
+            assert result.stderr == f"ec-cache: HTTP 403 forbidden: {reason}\n"
+
+
+@pytest.mark.parametrize("command", [["head", "abc"], ["ls"]])
+def test_base_url_ending_in_ec_is_refused(server: ServerProcess, command: list[str]) -> None:
+    """``--url http://host:port/ec`` would store under model ``ec/...``: refused,
+    naming the URL to give instead."""
+    result = run(None, "--url", server.url + "/ec/", *command)
+    assert result.returncode == 2
+    assert f"server URL '{server.url}/ec' ends in /ec: give the server's base URL " in result.stderr
+    assert f"('{server.url}')" in result.stderr
+    with pytest.raises(ValueError, match="ends in /ec"):
+        ec_cache.Client(server.url + "/ec", model="m", dtype="float32")

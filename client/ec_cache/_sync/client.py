@@ -50,7 +50,9 @@ class Client(ClientBase):
     loop). A blocking client can be shared by threads.
 
     Arguments:
-        url: one base URL or several (replicas). Each key goes to the replica chosen by
+        url: one base URL or several (replicas): ``http://host:8080``, or a proxy's
+            prefix, never ending in ``/ec`` (the API's path, which the client adds;
+            refused with ``ValueError``). Each key goes to the replica chosen by
             rendezvous hashing of ``(model, dtype, hash)``; when it refuses connections
             the next one in the key's order is used.
         model: the namespace, e.g. ``"Qwen/Qwen2.5-VL-7B-Instruct@a1b2c3"`` (slashes are
