@@ -196,6 +196,23 @@ def test_wrong_checksum(server: ServerProcess, client: httpx.Client) -> None:
     assert_nothing_left(server)
 
 
+@pytest.mark.parametrize(
+    "data",
+    [b"an embedding, as text: 0.1 0.2 0.3\n" * 4, b"\x93NUMPY\x01\x00v\x00" + b" " * 120],
+    ids=["text", "npy"],
+)
+def test_a_body_that_is_no_safetensors_file_says_so(client: httpx.Client, data: bytes) -> None:
+    """Its first 8 bytes read as a huge header length, or its header is not JSON: the
+    answer says what the body is not and how to send a file, not a 15-digit number."""
+    answer = client.put(entry_url("not-safetensors", "float32"), content=data)
+    assert answer.status_code == 400
+    message = answer.json()["message"]
+    assert message.startswith(
+        "not a safetensors file; send the file as it is, e.g. curl --data-binary @FILE ("
+    ), message
+    assert client.head(entry_url("not-safetensors", "float32")).status_code == 404
+
+
 def test_body_over_the_maximum(server: ServerProcess) -> None:
     # The module's server accepts at most 64 MiB.
     huge = 65 * 1024 * 1024
