@@ -45,6 +45,11 @@ def answers_healthz(port: int) -> bool:
         conn.close()
 
 
+def settings_env(settings: Mapping[str, str | int]) -> dict[str, str]:
+    """``EC_*`` variables of ``settings`` named without the prefix (``log_level``)."""
+    return {f"EC_{name.upper()}": str(value) for name, value in settings.items()}
+
+
 class ServerProcess:
     """``python -m app`` (or another ``command`` that reads ``EC_HOST``/``EC_PORT``, such
     as an installed entry point) with ``EC_*`` settings on top of ``env`` (default: this
@@ -71,7 +76,7 @@ class ServerProcess:
             "EC_PORT": str(self.port),
             "EC_DATA_DIR": str(data_dir),
             "EC_LOG_LEVEL": "warning",
-            **{f"EC_{name.upper()}": str(value) for name, value in settings.items()},
+            **settings_env(settings),
         }
         self.proc: subprocess.Popen[bytes] | None = None
 

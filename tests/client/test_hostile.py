@@ -303,7 +303,7 @@ def test_an_early_answer_that_lands_as_the_wait_for_100_continue_ends_is_read(
 
     def script(head: bytes) -> list[Step]:
         # Block the client's loop past its wait for 100 Continue (FAST.read), answer meanwhile.
-        client_loop[0].call_soon_threadsafe(time.sleep, 2 * FAST.read)
+        client_loop[0].call_soon_threadsafe(time.sleep, 2 * (FAST.read or 0.0))
         return [0.1, refused]
 
     srv = hostile(script)
@@ -441,7 +441,7 @@ def clients(board: Switchboard) -> Iterator[dict[str, Any]]:
         "timeouts": FAST,
         "retries": Retries(attempts=1),
     }
-    made = {
+    made: dict[str, Any] = {
         "sync": ec_cache.Client(board.server.url, **kw),
         "async": SyncFacade(board.server.url, **kw),
     }
@@ -452,7 +452,8 @@ def clients(board: Switchboard) -> Iterator[dict[str, Any]]:
 
 def split(data: bytes, cuts: Iterable[int]) -> list[Step]:
     points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
+    pieces: list[Step] = []
+    last = 0
     for p in [*points, len(data)]:
         if p > last:
             pieces.append(data[last:p])

@@ -110,7 +110,8 @@ def test_a_batch_of_valid_hashes() -> None:
     assert check_hashes(iter(valid)) == valid and check_hashes([]) == []
     assert key_digests("m/x", "uint8", valid) == [key_digest("m/x", "uint8", h) for h in valid]
     # exists_many's body joins checked hashes as JSON strings without escaping them
-    for batch in (valid, valid[:1], []):
+    batches: list[list[str]] = [valid, valid[:1], []]
+    for batch in batches:
         stream, headers = exists_body(batch)
         content = b"".join(stream)
         assert json.loads(content) == {"hashes": batch}
