@@ -7,6 +7,7 @@ start servers with it too.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import subprocess
@@ -101,6 +102,16 @@ class ServerProcess:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"server did not start in {timeout}s:\n{self.log_path.read_text()}")
+
+    def uploads_in_flight(self) -> int:
+        """Entry bodies the server is receiving now (``/stats``: ``writes_in_flight``)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", "/stats")
+            stats = json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+        return int(stats["disk"]["writes_in_flight"])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         if self.proc is None:

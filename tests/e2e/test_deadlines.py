@@ -67,12 +67,12 @@ def test_trickling_uploads_are_cut_off_and_others_get_through(tmp_path: Path) ->
     ) as srv:
         data = body((100_000,), "U8", 1)
         tricklers = [Trickler(srv.port, f"/ec/m/uint8/trickle{i}", data) for i in range(2)]
-        wait_for(lambda: _writes_in_flight(srv.url) == 2, "both tricklers' uploads to start")
+        wait_for(lambda: srv.uploads_in_flight() == 2, "both tricklers' uploads to start")
         # One slot is still free: a normal PUT is served while the tricklers trickle.
         normal = body((500_000,), "U8", 1, seed=1)
         assert httpx.put(srv.url + "/ec/m/uint8/normal", content=normal).status_code == 201
         tricklers.append(Trickler(srv.port, "/ec/m/uint8/trickle2", data))
-        wait_for(lambda: _writes_in_flight(srv.url) == 3, "the third trickler's upload")
+        wait_for(lambda: srv.uploads_in_flight() == 3, "the third trickler's upload")
         refused = httpx.put(srv.url + "/ec/m/uint8/refused", content=normal)
         assert refused.status_code == 503  # every slot held, for now
         for trickler in tricklers:
@@ -134,11 +134,6 @@ def _accepted(srv: ServerProcess, ports: set[int]) -> int:
         if fields[9] in inodes and int(fields[2].rsplit(":", 1)[1], 16) in ports:
             count += 1
     return count
-
-
-def _writes_in_flight(url: str) -> int:
-    """Uploads the server is receiving now (``/stats``)."""
-    return int(httpx.get(url + "/stats").json()["disk"]["writes_in_flight"])
 
 
 def _metric(url: str, name: str) -> float:
