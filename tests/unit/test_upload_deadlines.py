@@ -84,7 +84,7 @@ def test_a_cancellation_from_elsewhere_stays_a_cancellation(tmp_path: Path) -> N
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
-        # Its timer went with it: nothing cancels this task later.
+        # Its timer went with it: nothing cancels this task later (twice the timeout).
         await asyncio.sleep(0.2)
 
     asyncio.run(main())
