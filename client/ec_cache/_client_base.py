@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import httpx
 
 from ._buffers import BufferPool
+from ._claims import check_owner, default_owner
 from ._config import Limits, Retries, Timeouts
 from ._exceptions import UnavailableError
 from ._failures import RetryableStatus, error_for
@@ -74,6 +75,7 @@ class ClientBase:
         limits: Limits | None,
         raise_on_unavailable: bool,
         verify: bool,
+        owner: str | None,
     ) -> None:
         self.model = check_model(model)
         self.dtype = parse_dtype(dtype)
@@ -83,6 +85,7 @@ class ClientBase:
         self.limits = limits or Limits()
         self.raise_on_unavailable = raise_on_unavailable
         self.verify = verify
+        self.owner = default_owner() if owner is None else check_owner(owner)
         self.pool = BufferPool(self.limits.buffer_pool_bytes)
         self.results = BufferPool(self.limits.buffer_pool_bytes, pinned=False, steps=16)
 
@@ -105,7 +108,11 @@ class ClientBase:
         return f"/ec/{self.model}/{self.dtype}/{check_hash(hash)}"
 
     def _exists_path(self) -> str:
-        return f"/ec/{self.model}/{self.dtype}/_exists"
+        return self._batch_path("_exists")
+
+    def _batch_path(self, name: str) -> str:
+        """A namespace's batch operation: ``_exists``, ``_claim``, ``_release``, ``_wait``."""
+        return f"/ec/{self.model}/{self.dtype}/{name}"
 
     def _order(self, hash: str) -> list[str]:
         return self.router.order(self.model, self.dtype, hash)
