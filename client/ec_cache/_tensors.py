@@ -26,6 +26,7 @@ from ._exceptions import IntegrityError, InvalidKeyError, InvalidTensorError
 from ._keys import DTYPE_NAMES, hash_error, hashes_error, model_error
 
 __all__ = [
+    "CODES",
     "DTYPES",
     "EntryInfo",
     "TensorMeta",
@@ -35,6 +36,7 @@ __all__ = [
     "parse_header",
     "parse_header_length",
     "tensor_memoryview",
+    "torch_dtype",
 ]
 
 TENSOR_NAME = "tensor"
@@ -76,7 +78,8 @@ def torch_dtype(name: str) -> torch.dtype:
     """
     import torch
 
-    CODES[name]  # KeyError for a name ec-cache does not store
+    if name not in CODES:
+        raise KeyError(f"dtype {name!r} is not stored by ec-cache")
     dtype: torch.dtype = getattr(torch, name)
     return dtype
 
