@@ -296,7 +296,13 @@ class UploadQueueMetrics:
 
 
 #: Why ``app.http_protocol.guarded`` closes a connection (the label values of its counter).
-CONNECTION_DROP_REASONS = ("limit", "idle", "header_timeout", "send_timeout")
+CONNECTION_DROP_REASONS = (
+    "limit",
+    "idle",
+    "header_timeout",
+    "headers_too_large",
+    "send_timeout",
+)
 
 
 class ConnectionMetrics:
@@ -308,6 +314,7 @@ class ConnectionMetrics:
             "ec_connections_dropped",
             "Connections closed by the server's bounds: limit (over EC_MAX_CONNECTIONS), "
             "idle (EC_KEEPALIVE_TIMEOUT), header_timeout (EC_HEADER_TIMEOUT), "
+            "headers_too_large (a head past EC_MAX_HEADER_BYTES while it arrived), "
             "send_timeout (EC_SEND_TIMEOUT).",
             ["reason"],
             registry=registry,

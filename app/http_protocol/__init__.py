@@ -14,8 +14,8 @@ only ever imported on them: :func:`uvicorn_options` checks the installed uvicorn
 httptools at start-up. On any other version the server serves with uvicorn's stock
 httptools protocol and logs a warning naming the versions and what is off; uvicorn's
 own settings keep the connection bound (``limit_concurrency``: over it uvicorn answers a
-plain-text 503) and the keep-alive deadline. The request-head and send deadlines, JSON
-400s, the lingering close and the ``ec_connections_*`` metrics need the adapter.
+plain-text 503) and the keep-alive deadline. The request-head and send deadlines, the
+bound on a head while it arrives, JSON 400s, the lingering close and the ``ec_connections_*`` metrics need the adapter.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def uvicorn_options(settings: Settings, registry: CollectorRegistry) -> dict[str
         "ec-cache's HTTP protocol adapter is written for %s, but %s is installed: serving "
         "with uvicorn's stock httptools protocol. Kept: EC_MAX_CONNECTIONS (uvicorn's "
         "limit_concurrency, a plain-text 503 beyond it) and EC_KEEPALIVE_TIMEOUT. Off: "
-        "EC_HEADER_TIMEOUT and EC_SEND_TIMEOUT, JSON bodies on 400s the HTTP parser "
+        "EC_HEADER_TIMEOUT and EC_SEND_TIMEOUT, EC_MAX_HEADER_BYTES while a head arrives "
+        "(it applies once the head is whole), JSON bodies on 400s the HTTP parser "
         "sends, the lingering close after an early answer to a PUT, the ec_connections_* "
         "metrics, and the adapter's upload and response speed-ups. Install "
         "requirements.lock to get them back.",
