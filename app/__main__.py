@@ -16,6 +16,7 @@ from app.http_protocol import uvicorn_options
 from app.logs import logging_config
 from app.main import ConfigurationError, create_app
 from app.settings import Settings
+from app.tiers.disk.data_dir import DataDirError
 
 log = logging.getLogger("app")
 
@@ -62,6 +63,10 @@ def main() -> None:
         app = create_app(settings)
     except ConfigurationError as exc:
         sys.exit(f"ec-cache: invalid configuration\n  {exc}")
+    try:  # before anything in it is touched, and held until the process ends
+        app.state.store.disk.claim()
+    except DataDirError as exc:
+        sys.exit(f"ec-cache: {exc}")
     backend = f"S3 {settings.s3_endpoint_url}" if settings.s3_enabled else "disk only"
     log.info(
         "ec-cache on http://%s:%d (data: %s, %s)",
