@@ -132,8 +132,9 @@ class Settings(BaseSettings):
     header_timeout: float = Field(default=10.0, gt=0)
     #: A client that accepts no response bytes for this long is dropped.
     send_timeout: float = Field(default=30.0, gt=0)
-    #: SIGTERM: stop accepting, then wait this long for in-flight requests.
-    shutdown_timeout: int = Field(default=30, ge=0)
+    #: SIGTERM: stop accepting, then wait this long (seconds, fractions too: the Helm
+    #: chart's schema takes any number) for in-flight requests.
+    shutdown_timeout: float = Field(default=30.0, ge=0)
 
     log_format: LogFormat = LogFormat.TEXT
 

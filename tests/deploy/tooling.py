@@ -151,6 +151,25 @@ def server_env_vars() -> set[str]:
     raise AssertionError(f"no Settings class in {path}")
 
 
+def server_default(name: str) -> Any:
+    """The default of the server setting ``name`` (``EC_SHUTDOWN_TIMEOUT``), from
+    app/settings.py (parsed, not imported): a literal ``default=`` or plain value."""
+    path = ROOT / "app" / "settings.py"
+    field = name.removeprefix("EC_").lower()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == field
+            and node.value is not None
+        ):
+            value = node.value
+            if isinstance(value, ast.Call):
+                value = next(k.value for k in value.keywords if k.arg == "default")
+            return ast.literal_eval(value)
+    raise AssertionError(f"no setting {name} in {path}")
+
+
 def dockerfile_stages() -> list[list[tuple[str, str]]]:
     """Dockerfile as stages of (INSTRUCTION, arguments), continuation lines joined."""
     lines: list[str] = []
