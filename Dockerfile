@@ -8,7 +8,8 @@
 #     -e EC_ANONYMOUS=read-write ec-cache:0.1.0
 #
 # Configuration is the server's own EC_* environment (see docs/deploy.md); the image
-# only changes EC_HOST (listen on all interfaces) and EC_DATA_DIR (/data, a volume).
+# only sets EC_HOST (0.0.0.0: all interfaces), EC_PORT (8080, the server's default
+# too) and EC_DATA_DIR (/data, a volume).
 # Listening beyond loopback, the server refuses to start without tokens
 # (EC_AUTH_TOKENS) or an explicit EC_ANONYMOUS, as above.
 
