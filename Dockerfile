@@ -29,9 +29,10 @@ WORKDIR /src
 # Only what building the server distribution needs (see .dockerignore).
 COPY pyproject.toml README.md requirements.lock ./
 COPY app ./app
-COPY deploy/docker/server-wheels.sh ./deploy/docker/
+COPY deploy/docker/server-wheels.sh deploy/docker/build-backend.lock ./deploy/docker/
 
-# The locked wheels (hash-checked, binary only) and the server's own wheel, with the
+# The locked wheels (hash-checked, binary only) and the server's own wheel (built by
+# the setuptools of deploy/docker/build-backend.lock, hash-checked too), with the
 # lock and the install script (tests/deploy/test_image_install.py runs the same
 # script). Nothing from this stage but /wheels reaches the final image.
 RUN sh deploy/docker/server-wheels.sh build /wheels
