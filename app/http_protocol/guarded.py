@@ -51,6 +51,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from uvicorn.server import ServerState
 
 from app.error_responses import raw_error_response
+from app.http_protocol import max_head_bytes
 from app.http_protocol.httptools_protocol import ECHttpToolsProtocol
 from app.metrics import ConnectionMetrics
 from app.middleware import MAX_TARGET_BYTES
@@ -62,9 +63,6 @@ log = logging.getLogger(__name__)
 #: request body unread keeps draining it (see the module docstring).
 LINGER_IDLE = 5.0
 LINGER_TOTAL = 30.0
-#: Room in a head's bound for its request line past the target, and for the
-#: whitespace around header values that the middleware's count leaves out.
-HEAD_SLACK_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -87,9 +85,7 @@ class ConnectionLimits:
 
     @property
     def head_bytes(self) -> int:
-        """The most bytes of a request head taken in before its end (see the module
-        docstring): never less than a head the middleware accepts."""
-        return self.max_header_bytes + MAX_TARGET_BYTES + HEAD_SLACK_BYTES
+        return max_head_bytes(self.max_header_bytes)
 
 
 class GuardedHttpProtocol(ECHttpToolsProtocol):

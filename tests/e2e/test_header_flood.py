@@ -5,7 +5,6 @@ while a head at the limit, however it is cut into reads, is still served."""
 from __future__ import annotations
 
 import re
-import select
 import socket
 import threading
 from collections.abc import Iterator
@@ -36,28 +35,6 @@ def _rss_bytes(pid: int) -> int:
     return int(match.group(1)) * 1024
 
 
-def _flood(port: int) -> tuple[int, rawhttp.RawResponse | None]:
-    """Send a head of endless small headers until the server answers; the bytes sent
-    by then, and the answer (None if the server hung up without one)."""
-    line = b"X-Flood: " + b"a" * 48 + b"\r\n"
-    chunk = line * (64 * 1024 // len(line))
-    sent = 0
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
-        while sent < FLOOD_BYTES:
-            if select.select([sock], [], [], 0)[0]:
-                break  # the answer (or the end) is in
-            try:
-                sock.sendall(chunk)
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            sent += len(chunk)
-        try:
-            return sent, rawhttp.read_response(sock)
-        except ConnectionError:
-            return sent, None
-
-
 def _dropped_for_headers(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     match = re.search(
@@ -73,7 +50,9 @@ def test_flooders_get_431_at_once_and_memory_stays_flat(server: ServerProcess) -
     dropped_before = _dropped_for_headers(server.url)
     results: list[tuple[int, rawhttp.RawResponse | None]] = []
     threads = [
-        threading.Thread(target=lambda: results.append(_flood(server.port)))
+        threading.Thread(
+            target=lambda: results.append(rawhttp.flood_headers(server.port, FLOOD_BYTES))
+        )
         for _ in range(FLOODERS)
     ]
     for thread in threads:
