@@ -233,10 +233,10 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
             continue
         if upper.startswith(NOT_SERVER_PREFIX):
             continue
-        if name in COMPOSE_ONLY_NAMES:
+        if upper in COMPOSE_ONLY_NAMES:
             warnings.append(
                 f"{name} is read by docker-compose.yml, not by the server: the server takes "
-                f"S3 credentials from the AWS chain ({COMPOSE_ONLY_NAMES[name]}, ...)"
+                f"S3 credentials from the AWS chain ({COMPOSE_ONLY_NAMES[upper]}, ...)"
             )
             continue
         close = difflib.get_close_matches(upper, names, n=2, cutoff=0.8)

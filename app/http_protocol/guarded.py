@@ -115,6 +115,7 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_until = 0.0
         self._in_head = False  # between a request's first byte and its head's end
+        self._head_began = False  # a head began in the read being parsed
         # Bytes of the head: what was parsed of the read it began in (where in that
         # read it began is not known), then every read. Never more than the head, so
         # never an acceptable head refused; a flood is cut off one read past the bound.
@@ -180,10 +181,10 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
             self._head_timer = self.loop.call_later(
                 self.limits.header_timeout, self._head_timed_out
             )
-        head_went_on = self._in_head  # this read is all head, if the head still goes on
+        self._head_began = False
         super().data_received(data)
         if self._in_head:
-            if head_went_on:
+            if not self._head_began:  # the whole read is the head's
                 self._head_counted += len(data)
             else:  # the head began in this read: what of it was parsed
                 self._head_counted = len(self.url) + sum(
@@ -196,7 +197,7 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head = True
+        self._in_head = self._head_began = True
         self._head_counted = 0
 
     def _head_too_large(self) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit.polling import wait_for
 from testkit.server import ServerProcess
 from tests.e2e import rawhttp
 
@@ -26,6 +27,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("flood")
     with ServerProcess(root / "data", root / "log") as srv:
         yield srv
+
+
+def _server_unread(server_port: int, client_port: int) -> int | None:
+    """Bytes waiting in the server's receive queue on the connection from
+    ``client_port`` (/proc/net/tcp); None until the kernel lists the connection."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, queues = fields[1], fields[2], fields[4]
+        if (
+            int(local.split(":")[1], 16) == server_port
+            and int(remote.split(":")[1], 16) == client_port
+        ):
+            return int(queues.split(":")[1], 16)
+    return None
 
 
 def _rss_bytes(pid: int) -> int:
@@ -104,3 +119,28 @@ def test_a_head_at_the_limit_is_served_however_it_arrives(
 
     assert _send_in_pieces(server.port, head(filler_value), piece).status == 200
     assert _send_in_pieces(server.port, head(filler_value + 1), piece).status == 431
+
+
+def test_pipelined_heads_near_the_limit_are_served(server: ServerProcess) -> None:
+    """A read that ends one head and begins the next counts only the next one's bytes."""
+
+    def head(extra: str) -> bytes:
+        start = f"GET /healthz HTTP/1.1\r\nhost: x\r\n{extra}x-fill: ".encode()
+        return start + b"v" * 15_000 + b"\r\n\r\n"
+
+    first, second = head(""), head("connection: close\r\n")
+    pieces = [first[:1024], first[1024:] + second[:10_000], second[10_000:]]
+    answers = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_port = sock.getsockname()[1]
+        for piece in pieces:
+            sock.sendall(piece)
+            # Each piece its own read: wait until the server has read it.
+            wait_for(
+                lambda: _server_unread(server.port, client_port) == 0,
+                what="the server to read the piece",
+            )
+        while chunk := sock.recv(65536):
+            answers += chunk
+    assert re.findall(rb"HTTP/1.1 (\d+) ", answers) == [b"200", b"200"], answers

@@ -55,10 +55,6 @@ class DataDir:
         self.lock_path = root / LOCK_FILE
         self._fd: int | None = None
 
-    @property
-    def claimed(self) -> bool:
-        return self._fd is not None
-
     def claim(self) -> None:
         """Create and lock the directory, then check its layout; idempotent.
 
