@@ -33,6 +33,7 @@ from tests.deploy.tooling import (
     render,
     render_error,
     render_text,
+    require_server_venv,
     run,
     server_env_vars,
     tool,
@@ -170,6 +171,7 @@ def test_grace_period_refusal_names_the_total_it_requires() -> None:
 def test_fractional_shutdown_timeout_renders_what_the_server_takes(tmp_path: Path) -> None:
     """The schema takes any number of seconds: the server must take what renders (a
     pod that crash-loops on ``EC_SHUTDOWN_TIMEOUT="20.5"`` passed every check before)."""
+    require_server_venv()
     docs = render({"config": {"shutdownTimeout": 20.5}, "terminationGracePeriodSeconds": 60})
     env = dict(one(docs, "ConfigMap", FULLNAME)["data"])
     assert env["EC_SHUTDOWN_TIMEOUT"] == "20.5"

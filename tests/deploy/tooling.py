@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from testkit.server import SERVER_VENV_PYTHON
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "ec-cache"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -193,3 +195,12 @@ def dockerfile_stages() -> list[list[tuple[str, str]]]:
             stages.append([])
         stages[-1].append((instr, rest.strip()))
     return stages
+
+
+def require_server_venv() -> None:
+    """Skip (fail in CI) a test that runs the server when its venv is missing."""
+    if "EC_SERVER_PYTHON" not in os.environ and not SERVER_VENV_PYTHON.exists():
+        message = f"{SERVER_VENV_PYTHON} missing: the server's venv (make test creates .venv)"
+        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+            pytest.fail(message)
+        pytest.skip(message)
