@@ -32,7 +32,13 @@ from app.metrics import S3Metrics
 from app.settings import Settings
 from app.tiers.s3.breaker import CircuitBreaker
 from app.tiers.s3.download import ObjectBody, S3Download
-from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
+from app.tiers.s3.errors import (
+    S3Error,
+    S3Unavailable,
+    is_not_found,
+    map_error,
+    outage_reason,
+)
 from app.tiers.s3.get_transport import object_get
 from app.tiers.s3.http_session import s3_transport
 from app.tiers.s3.loop_get import LoopGet
@@ -200,7 +206,7 @@ class S3Client:
         mapped = map_error(exc, operation, self.breaker.cooldown)
         if isinstance(mapped, S3Unavailable):
             self.metrics.requests.labels(operation, "unavailable").inc()
-            self.breaker.mark_unavailable(str(mapped))
+            self.breaker.mark_unavailable(outage_reason(exc))
         else:
             self.metrics.requests.labels(operation, "error").inc()
             self.breaker.mark_available()  # it answered, so it is reachable
