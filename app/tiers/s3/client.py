@@ -37,6 +37,7 @@ from app.tiers.s3.get_transport import object_get
 from app.tiers.s3.http_session import s3_transport
 from app.tiers.s3.loop_get import LoopGet
 from app.tiers.s3.objects import ObjectInfo, info_from_headers, info_from_response
+from app.tiers.s3.ranged_get import RangedGet
 from app.tiers.s3.signed_put import SignedPut
 from app.tiers.s3.signing import Signer
 
@@ -326,8 +327,9 @@ class S3Client:
     def shutdown(self) -> None:
         """Synchronous :meth:`close` (for code outside an event loop)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
-        if isinstance(self._get, LoopGet):
-            self._get.close()
+        get = self._get.transport if isinstance(self._get, RangedGet) else self._get
+        if isinstance(get, LoopGet):
+            get.close()
         self._transport.session.close()
         for client in (self.client, self.probe_client):
             try:

@@ -20,6 +20,21 @@ from app.tiers.s3.http_session import S3Transport
 
 
 @dataclass(frozen=True)
+class ByteSpan:
+    """Bytes ``start`` to ``end`` (exclusive) of an object: a ranged GET's ``Range``."""
+
+    start: int
+    end: int
+
+    @property
+    def header(self) -> str:
+        return f"bytes={self.start}-{self.end - 1}"
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class SignedRequest:
     """A signed request: its URL, the path for its request line, and its headers (``Host``
     among them, as signed)."""
@@ -49,9 +64,18 @@ class Signer:
         self._config = config
         self._credentials = credentials
 
-    def get(self, key: str) -> SignedRequest:
-        """The signed GET of ``key``, its CRC32C asked for (``x-amz-checksum-mode``)."""
-        return self._sign("GET", key, {"x-amz-checksum-mode": "ENABLED"}, None, upload=False)
+    def get(
+        self, key: str, span: ByteSpan | None = None, if_match: str | None = None
+    ) -> SignedRequest:
+        """The signed GET of ``key``, its CRC32C asked for (``x-amz-checksum-mode``); of
+        the bytes ``span`` only when given, and only while the object's ETag is
+        ``if_match`` when given."""
+        headers = {"x-amz-checksum-mode": "ENABLED"}
+        if span is not None:
+            headers["Range"] = span.header
+        if if_match is not None:
+            headers["If-Match"] = if_match
+        return self._sign("GET", key, headers, None, upload=False)
 
     def put(self, key: str, headers: Mapping[str, str], body: Any) -> SignedRequest:
         """The signed PUT of ``body`` as ``key`` with ``headers``."""
