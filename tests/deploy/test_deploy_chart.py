@@ -288,6 +288,8 @@ EVERY_SETTING: dict[str, Any] = {
             "multipartPartSize": "16MiB",
             "multipartConcurrency": 2,
             "getChunkSize": "1MiB",
+            "getPartSize": "4MiB",
+            "getConcurrency": 4,
             "unavailableCooldown": 3,
             "verifyTls": False,
         },

@@ -10,6 +10,7 @@
 * ``objects``: what S3 says about an object (size, CRC32C, metadata), parsed;
 * ``download``: an open GET, its body read in chunks;
 * ``get_transport``: which transport the read path's GET takes;
+* ``ranged_get``: a large object's GET as concurrent ranged GETs, handed on in order;
 * ``loop_get``: the read path's GET, read on the event loop;
 * ``signed_get``: the same GET on botocore's transport, for an endpoint behind a proxy;
 * ``signed_put``: the single-part upload, without boto3's per-call pipeline;
