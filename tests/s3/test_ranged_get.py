@@ -1,8 +1,9 @@
 """The read path's GET of a large object as concurrent ranged GETs
 (``app/tiers/s3/ranged_get.py``), against the real S3 endpoint behind the fault proxy:
 bytes identical around every part boundary, parts that fail mid-way (reset, 500, held),
-objects of other tools, and, through a server, a read-through that fails cleanly and
-one whose client left stopping its part GETs."""
+objects of other tools, the boto3 data plane of another botocore, and, through a
+server, a read-through that fails cleanly and one whose client left stopping its part
+GETs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from app.checksum import crc32c as crc
+from app.tiers.s3 import botocore_adapter
 from app.tiers.s3.errors import S3Unavailable
 from testkit.fault_proxy import FaultProxy
 from testkit.polling import wait_for
@@ -170,11 +172,12 @@ def test_read_through_with_a_failing_part_keeps_nothing(
     # S3 failing opened the breaker (503 for its cooldown); then, nothing having been
     # kept, the entry is read from S3 again, whole.
     answers: list[httpx.Response] = []
-    wait_for(
-        lambda: answers.append(b.get(url("failing"))) or answers[-1].status_code == 200,
-        "the breaker to close",
-        10,
-    )
+
+    def answered() -> bool:
+        answers.append(b.get(url("failing")))
+        return answers[-1].status_code == 200
+
+    wait_for(answered, "the breaker to close", 10)
     assert answers[-1].headers["X-EC-Tier"] == "s3" and answers[-1].content == data
 
 
@@ -211,3 +214,23 @@ def test_client_gone_mid_body_stops_the_part_gets(
     got = b.get(url("gone"))  # nothing kept: read from S3 again
     assert got.headers["X-EC-Tier"] == "s3" and got.content == data
     assert s3_proxy.count("GET", "/gone.safetensors") == started + 32
+
+
+async def test_another_botocore_falls_back_to_boto3_calls(
+    make_store: StoreFactory, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(botocore_adapter, "installed", lambda: "1.0.0")
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_get_part_size=PART, s3_get_concurrency=3)
+    assert isinstance(store.signed_put, botocore_adapter.Boto3Put)
+    key = f"{store.prefix}/fallback.safetensors"
+    data = _data(3 * PART + 5, seed=7)
+    await write_object(store, key, data, crc32c=crc(data))  # put_object
+    s3_proxy.reset()
+    download = await store.open(key)
+    assert download is not None and download.info.crc32c == crc(data)
+    async with contextlib.aclosing(download):
+        assert b"".join([bytes(chunk) async for chunk in download.chunks()]) == data
+    assert sorted(map(str, _ranges(s3_proxy))) == sorted(
+        f"bytes={i * PART}-{min((i + 1) * PART, len(data)) - 1}" for i in range(4)
+    )
+    assert await store.open(f"{store.prefix}/absent.safetensors") is None

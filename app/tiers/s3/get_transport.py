@@ -23,16 +23,9 @@ from app.tiers.s3.signed_get import SignedGet
 from app.tiers.s3.signing import Signer
 
 
-def object_get(
-    transport: S3Transport,
-    config: Config,
-    signer: Signer,
-    settings: Settings,
-    executor: Executor,
-) -> SpanGet | RangedGet:
-    """The GET of the read path for ``transport``'s endpoint; ``config`` is the boto3
-    client's, ``executor`` the S3 thread pool (``signed_get`` reads bodies on it)."""
-    get = _transport_get(transport, config, signer, settings, executor)
+def ranged(get: SpanGet, settings: Settings) -> SpanGet | RangedGet:
+    """``get`` reading large objects in ranged parts, unless ``EC_S3_GET_CONCURRENCY``
+    is 1."""
     if settings.s3_get_concurrency <= 1:
         return get
     return RangedGet(
@@ -43,13 +36,15 @@ def object_get(
     )
 
 
-def _transport_get(
+def object_get(
     transport: S3Transport,
     config: Config,
     signer: Signer,
     settings: Settings,
     executor: Executor,
 ) -> LoopGet | SignedGet:
+    """The GET of the read path for ``transport``'s endpoint; ``config`` is the boto3
+    client's, ``executor`` the S3 thread pool (``signed_get`` reads bodies on it)."""
     if transport.proxy_url:
         return SignedGet(
             transport.session,

@@ -30,14 +30,15 @@ from urllib.parse import urlsplit
 
 import httptools
 from botocore.config import Config
-from botocore.httpsession import get_cert_path
 
 from app.retries import retried_async
 from app.tiers.base import Chunk
+from app.tiers.s3.botocore_adapter import get_cert_path
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.http_session import S3Transport
+from app.tiers.s3.objects import ByteSpan
 from app.tiers.s3.signed_get import FIRST_READ_BYTES, OK, READ_AHEAD
-from app.tiers.s3.signing import ByteSpan, Signer
+from app.tiers.s3.signing import Signer
 
 #: The buffer an answer's head is received into (and parsed from).
 HEAD_BUFFER_BYTES = 64 * 1024

@@ -14,7 +14,8 @@ arrives: the consumer gets the first bytes as soon as with one GET.
 Memory: the parts in flight are the consumer's part and the ``concurrency - 1`` after
 it; a part's bytes are held until the consumer took them, so a body holds at most
 ``concurrency * part_size`` bytes received out of order. A part starts once the
-consumer moved past the one ``concurrency`` places before it.
+consumer moved past the one ``concurrency`` places before it; the first ones once the
+consumer took the first bytes (their traffic must not delay the client's first byte).
 
 Failures: each part's GET is retried by its transport as any GET is
 (``errors.standard_retries``); a part whose connection breaks mid-way is asked again
@@ -41,8 +42,7 @@ from app.retries import RetryPolicy
 from app.tiers.base import Chunk
 from app.tiers.s3.download import ObjectBody
 from app.tiers.s3.errors import client_error_info
-from app.tiers.s3.objects import METADATA_CRC_KEY, METADATA_HEADER
-from app.tiers.s3.signing import ByteSpan
+from app.tiers.s3.objects import METADATA_CRC_KEY, METADATA_HEADER, ByteSpan
 
 
 class SpanGet(Protocol):
@@ -163,7 +163,9 @@ class PartedBody:
         self._next = first_span.end
         self._parts: deque[_Part] = deque()
         self._start(first_span, first)
-        self._top_up()
+        #: The other parts start once the first bytes were handed on: their traffic
+        #: must not delay the client's first byte.
+        self._first_handed = False
 
     def _start(self, span: ByteSpan, body: ObjectBody | None) -> None:
         part = _Part(span)
@@ -179,9 +181,12 @@ class PartedBody:
 
     async def read(self) -> Chunk:
         """The next chunk, in the object's order; ``b""`` at its end."""
+        if len(self._parts) == 1 and self._first_handed:
+            self._top_up()
         while self._parts:
             part = self._parts[0]
             if part.arrived:
+                self._first_handed = True
                 return part.arrived.popleft()
             if part.error is not None:
                 raise part.error

@@ -32,12 +32,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
-from botocore.awsrequest import AWSRequest
-from botocore.httpsession import URLLib3Session
-
 from app.retries import retried
+from app.tiers.s3.botocore_adapter import AWSRequest, URLLib3Session
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
-from app.tiers.s3.signing import ByteSpan, Signer
+from app.tiers.s3.objects import ByteSpan
+from app.tiers.s3.signing import Signer
 
 log = logging.getLogger(__name__)
 

@@ -11,27 +11,12 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import botocore.exceptions as bce
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 from botocore.credentials import Credentials
 
+from app.tiers.s3.botocore_adapter import AWSRequest, S3SigV4Auth
 from app.tiers.s3.http_session import S3Transport
-
-
-@dataclass(frozen=True)
-class ByteSpan:
-    """Bytes ``start`` to ``end`` (exclusive) of an object: a ranged GET's ``Range``."""
-
-    start: int
-    end: int
-
-    @property
-    def header(self) -> str:
-        return f"bytes={self.start}-{self.end - 1}"
-
-    def __len__(self) -> int:
-        return self.end - self.start
+from app.tiers.s3.objects import ByteSpan
 
 
 @dataclass(frozen=True)
