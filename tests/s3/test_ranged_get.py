@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import httpx
 import pytest
 
 from app.checksum import crc32c as crc
 from app.tiers.s3 import botocore_adapter
+from app.tiers.s3.client import S3Client
 from app.tiers.s3.errors import S3Unavailable
 from testkit.fault_proxy import FaultProxy
 from testkit.polling import wait_for
@@ -28,6 +30,22 @@ PART = 256 * 1024
 
 def _data(size: int, seed: int = 0) -> bytes:
     return bytes((i * 7 + seed) % 251 for i in range(size))
+
+
+async def _stored(
+    make_store: StoreFactory, proxy: FaultProxy, name: str, size: int, **settings: Any
+) -> tuple[S3Client, str, bytes]:
+    """An object of ``size`` bytes written as the server writes entries, and a client
+    reading it through ``proxy`` in parts of ``PART`` bytes, 3 at once (``settings``
+    override), the proxy's log cleared."""
+    writer = make_store()
+    key = f"{writer.prefix}/{name}.safetensors"
+    data = _data(size, seed=size)
+    await write_object(writer, key, data, crc32c=crc(data))
+    settings = {"s3_get_part_size": PART, "s3_get_concurrency": 3, **settings}
+    store = make_store(s3_endpoint_url=proxy.url, **settings)
+    proxy.reset()
+    return store, key, data
 
 
 def _ranges(proxy: FaultProxy) -> list[str | None]:
@@ -45,12 +63,7 @@ def _ranges(proxy: FaultProxy) -> list[str | None]:
 async def test_bytes_identical_around_every_part_boundary(
     make_store: StoreFactory, s3_proxy: FaultProxy, size: int
 ) -> None:
-    writer = make_store()
-    key = f"{writer.prefix}/parts-{size}.safetensors"
-    data = _data(size, seed=size)
-    await write_object(writer, key, data, crc32c=crc(data))
-    store = make_store(s3_endpoint_url=s3_proxy.url, s3_get_part_size=PART, s3_get_concurrency=3)
-    s3_proxy.reset()
+    store, key, data = await _stored(make_store, s3_proxy, f"parts-{size}", size)
     download = await store.open(key)
     assert download is not None
     assert download.info.size == size and download.info.crc32c == crc(data)
@@ -69,12 +82,7 @@ async def test_bytes_identical_around_every_part_boundary(
 async def test_a_part_failing_mid_way_is_asked_again(
     make_store: StoreFactory, s3_proxy: FaultProxy, fault: str
 ) -> None:
-    writer = make_store()
-    key = f"{writer.prefix}/retried-{fault}.safetensors"
-    data = _data(5 * PART + 99, seed=3)
-    await write_object(writer, key, data, crc32c=crc(data))
-    store = make_store(s3_endpoint_url=s3_proxy.url, s3_get_part_size=PART, s3_get_concurrency=3)
-    s3_proxy.reset()
+    store, key, data = await _stored(make_store, s3_proxy, f"retried-{fault}", 5 * PART + 99)
     s3_proxy.span_faults[2 * PART] = [fault]
     assert await read_object(store, key) == data
     assert s3_proxy.count("GET", key) == 6 + 1  # the broken part once more
@@ -87,15 +95,8 @@ async def test_a_part_failing_mid_way_is_asked_again(
 async def test_a_part_that_keeps_failing_fails_the_read(
     make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
-    writer = make_store()
-    key = f"{writer.prefix}/broken.safetensors"
-    data = _data(4 * PART, seed=4)
-    await write_object(writer, key, data, crc32c=crc(data))
-    store = make_store(
-        s3_endpoint_url=s3_proxy.url,
-        s3_get_part_size=PART,
-        s3_get_concurrency=2,
-        s3_max_attempts=2,
+    store, key, _ = await _stored(
+        make_store, s3_proxy, "broken", 4 * PART, s3_get_concurrency=2, s3_max_attempts=2
     )
     s3_proxy.span_faults[3 * PART] = ["500", "500"]
     download = await store.open(key)
@@ -111,12 +112,7 @@ async def test_a_part_that_keeps_failing_fails_the_read(
 async def test_a_held_part_leaves_later_parts_buffered_in_order(
     make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
-    writer = make_store()
-    key = f"{writer.prefix}/held.safetensors"
-    data = _data(6 * PART, seed=5)
-    await write_object(writer, key, data, crc32c=crc(data))
-    store = make_store(s3_endpoint_url=s3_proxy.url, s3_get_part_size=PART, s3_get_concurrency=3)
-    s3_proxy.reset()
+    store, key, data = await _stored(make_store, s3_proxy, "held", 6 * PART)
     s3_proxy.span_gate.clear()
     s3_proxy.span_faults[PART] = ["hold"]
     download = await store.open(key)
