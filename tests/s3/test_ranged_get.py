@@ -230,3 +230,19 @@ async def test_another_botocore_falls_back_to_boto3_calls(
         f"bytes={i * PART}-{min((i + 1) * PART, len(data)) - 1}" for i in range(4)
     )
     assert await store.open(f"{store.prefix}/absent.safetensors") is None
+
+
+async def test_behind_a_proxy_parts_go_through_it(
+    make_store: StoreFactory, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = make_store()
+    key = f"{writer.prefix}/proxied-parts.safetensors"
+    data = _data(3 * PART + 1, seed=8)
+    await write_object(writer, key, data, crc32c=crc(data))
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", s3_proxy.url)  # signed_get, on botocore's transport
+    store = make_store(s3_get_part_size=PART, s3_get_concurrency=3)
+    s3_proxy.reset()
+    assert await read_object(store, key) == data
+    assert s3_proxy.count("GET", key) == 4  # each part through the proxy
