@@ -16,8 +16,9 @@ logs a warning and falls back to plain boto3 calls on the S3 thread pool:
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -32,6 +33,7 @@ from botocore.utils import get_environ_proxies
 
 from app.settings import Settings
 from app.tiers.s3.objects import ByteSpan
+from app.tiers.s3.ranged_get import RangedGet, SpanGet
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +81,9 @@ class ObjectPut(Protocol):
 class DataPlane:
     """How the tier's GETs and single PUTs reach S3, and how to close it."""
 
-    #: ``get_transport.SpanGet``: ``open(key, span, if_match)``; ranged by ``ranged_get``.
-    get: Any
+    get: SpanGet | RangedGet
     put: ObjectPut
-    closers: tuple[Any, ...] = ()
+    closers: tuple[Callable[[], None], ...] = ()
 
     def close(self) -> None:
         for close in self.closers:
@@ -100,7 +101,7 @@ def data_plane(
 ) -> DataPlane:
     """The data plane of the boto3 ``client`` (made with ``config`` for ``endpoint`` and
     ``bucket``): the tier's own transports on the locked botocore, else boto3 calls."""
-    # Imported here: their botocore internals are used only on the locked version.
+    # Imported here: the transports import this module (for botocore's internals).
     from app.tiers.s3.get_transport import object_get, ranged
 
     found = installed()
@@ -122,7 +123,7 @@ def data_plane(
     transport = s3_transport(endpoint, settings.s3_verify_tls, config)
     signer = Signer(transport, bucket, settings.s3_region, config, credentials)
     own = object_get(transport, config, signer, settings, executor)
-    closers: tuple[Any, ...] = (transport.session.close,)
+    closers: tuple[Callable[[], None], ...] = (transport.session.close,)
     if isinstance(own, LoopGet):
         closers = (own.close, *closers)
     return DataPlane(
@@ -144,8 +145,7 @@ class Boto3Get:
     async def open(
         self, key: str, span: ByteSpan | None = None, if_match: str | None = None
     ) -> tuple[Mapping[str, str], Any]:
-        import asyncio
-
+        # Imported here: signed_get imports this module.
         from app.tiers.s3.signed_get import FIRST_READ_BYTES, ThreadedBody
 
         def _open() -> tuple[Mapping[str, str], Any, bytes]:
