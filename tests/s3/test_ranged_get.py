@@ -132,7 +132,7 @@ async def test_a_held_part_leaves_later_parts_buffered_in_order(
     assert bytes(first) + rest == data
 
 
-async def test_objects_without_ec_metadata_are_read_whole(
+async def test_objects_without_ec_metadata_or_bytes_are_read_whole(
     make_store: StoreFactory, s3_proxy: FaultProxy
 ) -> None:
     writer = make_store()
@@ -143,6 +143,12 @@ async def test_objects_without_ec_metadata_are_read_whole(
     s3_proxy.reset()
     assert await read_object(store, key) == data
     # The first part's answer says it has no ec-crc32c: one plain GET for the body.
+    assert _ranges(s3_proxy) == [f"bytes=0-{PART - 1}", None]
+    # An empty object has no byte 0 (416): one plain GET as well.
+    empty = f"{writer.prefix}/empty.safetensors"
+    await writer.run(lambda: writer.client.put_object(Bucket=writer.bucket, Key=empty, Body=b""))
+    s3_proxy.reset()
+    assert await read_object(store, empty) == b""
     assert _ranges(s3_proxy) == [f"bytes=0-{PART - 1}", None]
 
 
