@@ -290,6 +290,7 @@ EVERY_SETTING: dict[str, Any] = {
             "getChunkSize": "1MiB",
             "getPartSize": "4MiB",
             "getConcurrency": 4,
+            "getBufferBytes": "256MiB",
             "unavailableCooldown": 3,
             "verifyTls": False,
         },

@@ -109,10 +109,18 @@ async def test_a_part_that_keeps_failing_fails_the_read(
     assert received == 3 * PART  # the parts before it, in order, and nothing after
 
 
+@pytest.mark.parametrize(("budget", "started"), [(64 * PART, 4), (2 * PART, 3), (0, 2)])
 async def test_a_held_part_leaves_later_parts_buffered_in_order(
-    make_store: StoreFactory, s3_proxy: FaultProxy
+    make_store: StoreFactory, s3_proxy: FaultProxy, budget: int, started: int
 ) -> None:
-    store, key, data = await _stored(make_store, s3_proxy, "held", 6 * PART)
+    """Part 1 held while the consumer waits for it: parts ahead of it started as the
+    window (3) allows, and as the budget for parts ahead (``EC_S3_GET_BUFFER_BYTES``)
+    has room: 64 parts' worth, parts 2 and 3; two parts' worth, part 2 (part 1 took the
+    other when it started ahead of part 0); none, part 1 only, once it is the
+    consumer's."""
+    store, key, data = await _stored(
+        make_store, s3_proxy, f"held-{budget}", 6 * PART, s3_get_buffer_bytes=budget
+    )
     s3_proxy.span_gate.clear()
     s3_proxy.span_faults[PART] = ["hold"]
     download = await store.open(key)
@@ -121,13 +129,13 @@ async def test_a_held_part_leaves_later_parts_buffered_in_order(
     first = bytearray()
     while len(first) < PART:
         first += await anext(chunks)
-    # Part 1 is held; part 2 arrived meanwhile, and nothing beyond the window started.
+    waiting = asyncio.ensure_future(anext(chunks))  # for part 1, held
     await asyncio.to_thread(
         wait_for, lambda: s3_proxy.spans_held == 1, "the held part to reach the proxy", 10
     )
-    assert s3_proxy.count("GET", key) == 3
+    assert s3_proxy.count("GET", key) == started
     s3_proxy.span_gate.set()
-    rest = b"".join([bytes(chunk) async for chunk in chunks])
+    rest = bytes(await waiting) + b"".join([bytes(chunk) async for chunk in chunks])
     await download.aclose()
     assert bytes(first) + rest == data
 

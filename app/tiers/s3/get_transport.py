@@ -33,6 +33,7 @@ def ranged(get: SpanGet, settings: Settings) -> SpanGet | RangedGet:
         settings.s3_get_part_size,
         settings.s3_get_concurrency,
         standard_retries(settings.s3_max_attempts),
+        settings.s3_get_buffer_bytes,
     )
 
 

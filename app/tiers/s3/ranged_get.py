@@ -16,6 +16,9 @@ it; a part's bytes are held until the consumer took them, so a body holds at mos
 ``concurrency * part_size`` bytes received out of order. A part starts once the
 consumer moved past the one ``concurrency`` places before it; the first ones once the
 consumer took the first bytes (their traffic must not delay the client's first byte).
+Across all bodies, parts ahead of their consumer's reserve their size from one budget
+(``EC_S3_GET_BUFFER_BYTES``) until consumed; when it is spent, a body reads its parts
+one at a time (the consumer's own part always starts) until another returns some.
 
 Failures: each part's GET is retried by its transport as any GET is
 (``errors.standard_retries``); a part whose connection breaks mid-way is asked again
@@ -73,15 +76,24 @@ def content_range(headers: Mapping[str, str]) -> tuple[ByteSpan, int] | None:
 
 class RangedGet:
     """GETs of ``transport`` read as parts of ``part_size`` bytes, ``concurrency`` at a
-    time; part failures mid-way retried as ``retries`` says. See the module docstring."""
+    time, parts ahead of their consumer within ``budget`` bytes in all; part failures
+    mid-way retried as ``retries`` says. See the module docstring."""
 
     def __init__(
-        self, transport: SpanGet, part_size: int, concurrency: int, retries: RetryPolicy
+        self,
+        transport: SpanGet,
+        part_size: int,
+        concurrency: int,
+        retries: RetryPolicy,
+        budget: int,
     ) -> None:
         self.transport = transport
         self._part_size = part_size
         self._concurrency = concurrency
         self._retries = retries
+        #: Bytes that parts ahead of their consumer may still reserve, all bodies
+        #: together (one event loop: no lock).
+        self.budget = budget
 
     async def open(self, key: str) -> tuple[Mapping[str, str], ObjectBody]:
         """The headers of the whole object (its ``Content-Length``) and its body; raises
@@ -116,8 +128,10 @@ class RangedGet:
 class _Part:
     """The bytes ``span`` of the object: what arrived and was not taken yet."""
 
-    def __init__(self, span: ByteSpan) -> None:
+    def __init__(self, span: ByteSpan, reserved: int) -> None:
         self.span = span
+        #: Bytes of the budget it holds until consumed.
+        self.reserved = reserved
         self.arrived: deque[Chunk] = deque()
         #: Where the bytes still to come start.
         self.offset = span.start
@@ -162,26 +176,36 @@ class PartedBody:
         self._size = size
         self._next = first_span.end
         self._parts: deque[_Part] = deque()
-        self._start(first_span, first)
+        self._start(first_span, first, 0)
         #: The other parts start once the first bytes were handed on: their traffic
         #: must not delay the client's first byte.
         self._first_handed = False
 
-    def _start(self, span: ByteSpan, body: ObjectBody | None) -> None:
-        part = _Part(span)
+    def _start(self, span: ByteSpan, body: ObjectBody | None, reserved: int) -> None:
+        part = _Part(span, reserved)
         part.task = asyncio.create_task(self._fetch(part, body), name=f"S3 GET {span.header}")
         self._parts.append(part)
 
     def _top_up(self) -> None:
-        """Start parts until ``concurrency`` are in flight or none is left."""
-        while len(self._parts) < self._get._concurrency and self._next < self._size:
-            end = min(self._next + self._get._part_size, self._size)
-            self._start(ByteSpan(self._next, end), None)
+        """Start parts until ``concurrency`` are in flight or none is left; one ahead of
+        the consumer's only while the budget has room for it."""
+        get = self._get
+        while len(self._parts) < get._concurrency and self._next < self._size:
+            end = min(self._next + get._part_size, self._size)
+            reserved = end - self._next if self._parts else 0
+            if reserved > get.budget:
+                return
+            get.budget -= reserved
+            self._start(ByteSpan(self._next, end), None, reserved)
             self._next = end
+
+    def _release(self, part: _Part) -> None:
+        self._get.budget += part.reserved
+        part.reserved = 0
 
     async def read(self) -> Chunk:
         """The next chunk, in the object's order; ``b""`` at its end."""
-        if len(self._parts) == 1 and self._first_handed:
+        if self._first_handed:
             self._top_up()
         while self._parts:
             part = self._parts[0]
@@ -191,7 +215,7 @@ class PartedBody:
             if part.error is not None:
                 raise part.error
             if part.done:
-                self._parts.popleft()
+                self._release(self._parts.popleft())
                 self._top_up()
                 continue
             await part.changed()
@@ -244,6 +268,8 @@ class PartedBody:
         """Stop every part's GET (their connections are dropped, not drained)."""
         parts, self._parts = list(self._parts), deque()
         self._next = self._size
+        for part in parts:
+            self._release(part)
         tasks = [part.task for part in parts if part.task is not None]
         for task in tasks:
             task.cancel()
