@@ -9,7 +9,7 @@ import tempfile
 
 from app.main import ECApp
 from app.settings import Settings
-from app.tiers.base import Backend
+from app.tiers.base import BackendAdmin
 from app.tiers.disk.data_dir import DataDirError
 
 
@@ -47,7 +47,7 @@ def run_checks(settings: Settings, app: ECApp) -> int:
     return 0 if ok else 1
 
 
-async def _s3_readiness(s3: Backend) -> str:
+async def _s3_readiness(s3: BackendAdmin) -> str:
     try:
         return await s3.readiness()
     finally:

@@ -263,7 +263,7 @@ class ReadThroughMetrics:
         )
         self.fills = Counter(
             "ec_s3_fills",
-            "S3 -> disk copies by outcome (committed, not_found, failed, exists).",
+            "S3 -> disk copies by outcome (committed, not_found, failed, exists, abandoned).",
             ["outcome"],
             registry=registry,
         )

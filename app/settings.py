@@ -83,6 +83,14 @@ class Settings(BaseSettings):
     s3_multipart_part_size: ByteSize = Field(default=16 * 1024**2, ge=5 * 1024**2)
     s3_multipart_concurrency: int = Field(default=4, ge=1, le=64)
     s3_get_chunk_size: ByteSize = Field(default=4 * 1024**2, ge=64 * 1024)
+    #: A read-through GET of an object larger than one part is read as concurrent
+    #: ranged GETs of this size, this many at once (1: one GET per object); at most
+    #: their product is held in memory per read (app/tiers/s3/ranged_get.py).
+    s3_get_part_size: ByteSize = Field(default=8 * 1024**2, ge=256 * 1024)
+    s3_get_concurrency: int = Field(default=8, ge=1, le=64)
+    #: Bytes of ranged parts received ahead of their turn, all read-throughs together;
+    #: when spent, a read-through reads one part at a time.
+    s3_get_buffer_bytes: ByteSize = Field(default=512 * 1024**2, ge=0)
     #: After S3 failed as unreachable, answer 503 at once for this long (and advertise it
     #: in Retry-After) instead of waiting for a timeout on every request.
     s3_unavailable_cooldown: float = Field(default=2.0, gt=0, le=300)
