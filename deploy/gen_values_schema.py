@@ -206,6 +206,9 @@ schema = {
                         "multipartPartSize": opt_size("EC_S3_MULTIPART_PART_SIZE"),
                         "multipartConcurrency": opt_int("EC_S3_MULTIPART_CONCURRENCY", 1, 64),
                         "getChunkSize": opt_size("EC_S3_GET_CHUNK_SIZE"),
+                        "getPartSize": opt_size("EC_S3_GET_PART_SIZE"),
+                        "getConcurrency": opt_int("EC_S3_GET_CONCURRENCY", 1, 64),
+                        "getBufferBytes": opt_size("EC_S3_GET_BUFFER_BYTES"),
                         "unavailableCooldown": pos_num(
                             "EC_S3_UNAVAILABLE_COOLDOWN (seconds, <= 300)", maximum=300
                         ),
