@@ -58,6 +58,11 @@ def test_help_lists_commands_and_exit_codes() -> None:
         assert word in result.stdout
 
 
+def test_version_is_the_sdks() -> None:
+    result = run(None, "--version", model="", dtype=None)
+    assert (result.returncode, result.stdout) == (0, f"ec-cache {ec_cache.__version__}\n")
+
+
 def imported_modules(stderr: str) -> set[str]:
     """The modules a ``python -X importtime`` process imported, from its stderr."""
     names = set()
@@ -71,6 +76,7 @@ def imported_modules(stderr: str) -> set[str]:
     "command",
     [
         ["--help"],
+        ["--version"],
         ["head", "HASH"],
         ["exists", "HASH"],
         ["ls"],
