@@ -159,7 +159,7 @@ def test_silently_dropped_keepalive_connection_is_retried(
     c = client_factory(srv.url, model="m", dtype="float32", retries=1)
     for n in range(1, 5):
         assert torch.equal(c.get("h"), T)
-        wait_for(lambda: srv.closed == n, "the server to close the connection")  # noqa: B023
+        wait_for(lambda: srv.closed == n, "the server to close it")  # noqa: B023 (used at once)
     assert len(srv.requests) == 4
 
 
