@@ -250,6 +250,10 @@ schema = {
                 "keepaliveTimeout": pos_num("EC_KEEPALIVE_TIMEOUT (seconds)"),
                 "headerTimeout": pos_num("EC_HEADER_TIMEOUT (seconds)"),
                 "sendTimeout": pos_num("EC_SEND_TIMEOUT (seconds)"),
+                "claimMaxLease": pos_num("EC_CLAIM_MAX_LEASE (seconds, <= 3600)", maximum=3600),
+                "claimMaxKeys": opt_int("EC_CLAIM_MAX_KEYS", 1),
+                "claimMaxWaiters": opt_int("EC_CLAIM_MAX_WAITERS", 1),
+                "claimMaxWait": pos_num("EC_CLAIM_MAX_WAIT (seconds, <= 3600)", maximum=3600),
                 "shutdownTimeout": pos_num("EC_SHUTDOWN_TIMEOUT (seconds)", zero=True),
             },
             required=[

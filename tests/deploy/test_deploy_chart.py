@@ -334,6 +334,10 @@ EVERY_SETTING: dict[str, Any] = {
         "keepaliveTimeout": 4,
         "headerTimeout": 5,
         "sendTimeout": 20,
+        "claimMaxLease": 30,
+        "claimMaxKeys": 50000,
+        "claimMaxWaiters": 512,
+        "claimMaxWait": 20.5,
         "shutdownTimeout": 25,
     },
     "auth": {

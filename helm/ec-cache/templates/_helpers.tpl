@@ -130,6 +130,10 @@ EC_S3_CREATE_BUCKET: {{ ternary "true" "false" (eq (toString $c.s3.createBucket)
   (list "EC_KEEPALIVE_TIMEOUT" $c.keepaliveTimeout "")
   (list "EC_HEADER_TIMEOUT" $c.headerTimeout "")
   (list "EC_SEND_TIMEOUT" $c.sendTimeout "")
+  (list "EC_CLAIM_MAX_LEASE" $c.claimMaxLease "")
+  (list "EC_CLAIM_MAX_KEYS" $c.claimMaxKeys "")
+  (list "EC_CLAIM_MAX_WAITERS" $c.claimMaxWaiters "")
+  (list "EC_CLAIM_MAX_WAIT" $c.claimMaxWait "")
   (list "EC_SHUTDOWN_TIMEOUT" $c.shutdownTimeout "")
 }}
 {{- range $optional }}
