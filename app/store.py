@@ -26,7 +26,7 @@ from app.metrics import Metrics
 from app.namespaces import PurgeJob, Purges, disk_page, s3_page
 from app.safetensors_format import BodyValidator, TensorHeader
 from app.settings import Settings, WriteMode
-from app.tiers.base import Backend, EntryBody, EntryInfo
+from app.tiers.base import Backend, EntryBody, EntryInfo, RemoteTier
 from app.tiers.disk import DiskStats, DiskTier, NamespaceUsage, PendingWrite
 from app.tiers.overlapped import OverlappedWrite
 from app.tiers.read_through import ReadThrough
@@ -59,7 +59,7 @@ class Store:
         settings: Settings,
         disk: DiskTier,
         metrics: Metrics,
-        s3: Backend | None = None,
+        s3: RemoteTier | None = None,
     ) -> None:
         self.settings = settings
         self.disk = disk

@@ -224,6 +224,7 @@ def test_wrong_shape_is_not_loaded(
     extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     sched, worker = connector(SCHED, extra), connector(WORKER, extra)
     out, _ = step(sched, [make_request([h], rows=16, req_id="r-shape")])
+    assert out.ec_connector_metadata is not None
     worker.bind_connector_metadata(out.ec_connector_metadata)
     cache: dict[str, torch.Tensor] = {}
     worker.start_load_caches(cache)
@@ -459,21 +460,21 @@ def test_small_entries_stay_within_a_small_budget(server: Server) -> None:
             for round_ in range(10):
                 for i, (key, n) in enumerate(zip(keys, rows, strict=True)):
                     prefetcher.submit(PrefetchOrder(100 * round_ + i, key, key, n, 512))
-                wait_for(  # the budget binds: 30 entries need about 200 KiB
-                    lambda waits=round_: counters.totals().get("prefetch_budget_waits", 0) > waits,
-                    "a prefetch waiting for room",
-                    timeout=10,
-                    interval=0.01,
-                )
+                waits = round_ + 1  # the budget binds: 30 entries need about 200 KiB
+
+                def waited(waits: int = waits) -> bool:
+                    return counters.totals().get("prefetch_budget_waits", 0) >= waits
+
+                wait_for(waited, "a prefetch waiting for room", timeout=10, interval=0.01)
                 left = set(range(len(keys)))
                 while left:  # taken as vLLM would: what is held, one by one
                     held: set[int] = set()
-                    wait_for(
-                        lambda held=held: bool(held.update(prefetcher.report().ready) or held),
-                        "an entry held",
-                        timeout=30,
-                        interval=0.005,
-                    )
+
+                    def some_held(held: set[int] = held) -> bool:
+                        held.update(prefetcher.report().ready)
+                        return bool(held)
+
+                    wait_for(some_held, "an entry held", timeout=30, interval=0.005)
                     for i in sorted(order_id - 100 * round_ for order_id in held):
                         entry = prefetcher.take(keys[i], time.monotonic())
                         assert entry is not None
