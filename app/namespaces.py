@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -44,7 +43,7 @@ from app.keys import DTYPES, EntryKey
 from app.retries import backoff
 from app.tiers.base import Backend
 from app.tiers.disk import DiskTier
-from app.tiers.disk.file_sync import fsync_dir
+from app.tiers.disk.file_sync import write_durably
 from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import UploadQueue
 
@@ -267,14 +266,7 @@ class Purges:
 
     def _save(self, job: PurgeJob) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{job.id}.json"
-        temp = path.with_suffix(".tmp")
-        with open(temp, "w", encoding="utf-8") as out:
-            json.dump(job.public(), out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.rename(temp, path)
-        fsync_dir(self.directory)
+        write_durably(self.directory / f"{job.id}.json", json.dumps(job.public()).encode())
 
     def _forget_old(self) -> None:
         finished = sorted(

@@ -53,7 +53,7 @@ from app.keys import EntryKey
 from app.metrics import UploadQueueMetrics
 from app.retries import backoff
 from app.tiers.disk import DiskTier, StagedFile
-from app.tiers.disk.file_sync import fsync_dir
+from app.tiers.disk.file_sync import write_durably
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,10 @@ class PendingUpload:
             "upload": self.upload or self.writers > 0,
             "deleted": self.deleted,
         }
+
+
+def _record_bytes(item: PendingUpload) -> bytes:
+    return json.dumps(item.record()).encode("utf-8")
 
 
 UploadFn = Callable[[PendingUpload], Awaitable[None]]
@@ -312,13 +316,8 @@ class UploadQueue:
 
     def write_record(self, item: PendingUpload) -> None:
         """Journal the record durably (blocking)."""
-        fd, tmp, final = self._record_file(item)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-        fsync_dir(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_durably(self.directory / f"{item.key.digest}.json", _record_bytes(item))
 
     def _record_file(self, item: PendingUpload) -> tuple[int, Path, Path]:
         """The record written to a new temp file: (its open fd, its path, the record's)."""
@@ -327,7 +326,7 @@ class UploadQueue:
         tmp = self.directory / f".{item.key.digest}.{uuid.uuid4().hex}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            os.write(fd, json.dumps(item.record()).encode("utf-8"))
+            os.write(fd, _record_bytes(item))
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
