@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -20,6 +22,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from app.checksum import to_hex
 from app.errors import ECError, InvalidRequest, NotFound, Unavailable
 from app.keys import EntryKey
 from app.metrics import Metrics
@@ -32,6 +35,8 @@ from app.tiers.overlapped import OverlappedWrite
 from app.tiers.read_through import ReadThrough
 from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
 from app.tiers.write_through import WriteThrough
+
+log = logging.getLogger(__name__)
 
 #: Received chunks are batched into writes of about this size, each in a writer thread
 #: while the next batch is received (a write can stall behind a file-system journal
@@ -86,6 +91,8 @@ class Store:
                 retry_max=settings.writeback_retry_max,
                 registry=metrics.registry,
             )
+        #: Keys whose write-through DELETE is in progress, by digest (how many).
+        self._deleting: Counter[str] = Counter()
         self.purges = Purges(settings.data_dir, disk, s3, self.read_through, self.uploads)
         if s3 is not None:
             metrics.watch_s3(lambda: s3.up)
@@ -157,15 +164,27 @@ class Store:
         return info
 
     async def exists(self, key: EntryKey) -> bool:
+        """Whether a PUT of ``key`` would store nothing (``If-None-Match: *``). While S3
+        is unreachable write-back answers from its disk and journal (absent unless here):
+        the upload settles a race with another replica later, as any upload does."""
         if self.purges.blocks(key):
             return False
         if self.disk.contains(key):
             return True
-        return self.s3 is not None and not self._s3_hidden(key) and await self.s3.contains(key)
+        if self.s3 is None or self._s3_hidden(key):
+            return False
+        try:
+            return await self.s3.contains(key)
+        except Unavailable:
+            if self.uploads is None:
+                raise
+            return False
 
     def _s3_hidden(self, key: EntryKey) -> bool:
-        """Whether the key's S3 object must not be read: a DELETE of it is journaled
-        and its S3 delete not confirmed yet (write-back)."""
+        """Whether the key's S3 object must not be read: a DELETE of it is in progress
+        (write-through), or journaled and its S3 delete not confirmed yet (write-back)."""
+        if self._deleting and key.digest in self._deleting:
+            return True
         return self.uploads is not None and self.uploads.hides(key)
 
     async def exists_many(self, model: str, dtype: str, hashes: Sequence[str]) -> list[bool]:
@@ -184,7 +203,7 @@ class Store:
                 return await s3.contains(key)
 
         missing = [index for index, found in enumerate(present) if not found]
-        if self.uploads is not None and self.uploads.deletes_pending:
+        if self._deleting or (self.uploads is not None and self.uploads.deletes_pending):
             missing = [i for i in missing if not self._s3_hidden(EntryKey(model, dtype, hashes[i]))]
         answers = await asyncio.gather(
             *(check(EntryKey(model, dtype, hashes[index])) for index in missing)
@@ -299,9 +318,11 @@ class Store:
             return False  # another replica wrote it first: theirs is the entry
         if stream.upload is None:  # not streamed (too large): upload the temp file now
             assert self.s3 is not None
-            await self.s3.put_file(key, pending.path, crc, header)
+            stored = await self.s3.put_file(key, pending.path, crc, header)
         else:
-            await stream.finish()
+            stored = await stream.finish()
+        if not stored:  # lost the race in S3: theirs is the entry, never on this disk
+            return False
         return await anyio.to_thread.run_sync(pending.commit, crc, header)
 
     async def _stored_info(self, key: EntryKey) -> EntryInfo | None:
@@ -341,9 +362,8 @@ class Store:
         self, s3: Backend, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
     ) -> bool:
         """201 only once S3 has the object; on any S3 failure nothing is stored."""
-        if await s3.contains(key):
-            return False  # another replica wrote it first: theirs is the entry
-        await s3.put_file(key, pending.path, crc, header)
+        if not await s3.put_file(key, pending.path, crc, header):
+            return False  # another writer stored it first: theirs is the entry
         return await anyio.to_thread.run_sync(pending.commit, crc, header)
 
     async def _commit_write_back(
@@ -374,8 +394,11 @@ class Store:
                 f"namespace {key.model}/{key.dtype} is being purged: retry later", retry_after=5
             )
 
-    async def _upload_pending(self, item: PendingUpload) -> None:
-        """The write-back queue's upload: disk entry (verified) -> S3."""
+    async def _upload_pending(self, item: PendingUpload) -> bool:
+        """The write-back queue's upload: disk entry (verified) -> S3. False when S3
+        held another body of the key (a writer on another replica, or before this
+        disk's copy was evicted, came first): that body is the entry, so this replica
+        drops its copy and its next read fills S3's (it converges on the winner)."""
         assert self.s3 is not None
         if self.purges.blocks(item.key):
             raise EntryGone("its namespace is being purged")
@@ -393,23 +416,48 @@ class Store:
         finally:
             view.close()
         assert header is not None
-        if await self.s3.contains(item.key):
-            return  # first writer wins: another replica uploaded it already
-        await self.s3.put_file(item.key, path, crc, header)
+        if await self.s3.put_file(item.key, path, crc, header):
+            return True
+        winner = await self.s3.head(item.key, read_header=False)
+        if winner is not None and winner.crc32c == crc:
+            return True  # the same bytes (another writer's, or an earlier attempt of ours)
+        log.warning(
+            "write-back: S3 holds another body of %s (crc32c %s, this replica's %s): "
+            "dropping this replica's copy for it",
+            item.key,
+            "unknown" if winner is None or winner.crc32c is None else to_hex(winner.crc32c),
+            to_hex(crc),
+        )
+        await anyio.to_thread.run_sync(self.disk.delete, item.key)
+        return False
 
     async def delete(self, key: EntryKey) -> None:
         """Remove from every tier. In write-back mode the S3 delete is owed through the
         upload queue: journaled before the disk copy goes (from then on the S3 object
         is hidden from reads), sent at once unless an upload of the key is in flight
         (then right after it), retried until S3 confirms."""
-        item = await self.uploads.mark_deleted(key) if self.uploads is not None else None
+        if self.uploads is not None:
+            item = await self.uploads.mark_deleted(key)
+            await self._delete_local(key)
+            await self.uploads.delete_now(item)
+            return
+        # Hidden until S3 confirmed (or refused: then the DELETE fails, and S3's object
+        # is the entry again): a read in between must not copy it back to the disk.
+        self._deleting[key.digest] += 1
+        try:
+            await self._delete_local(key)
+            if self.s3 is not None:
+                await self.s3.delete(key)
+        finally:
+            self._deleting[key.digest] -= 1
+            if not self._deleting[key.digest]:
+                del self._deleting[key.digest]
+
+    async def _delete_local(self, key: EntryKey) -> None:
+        """Remove the disk copy, once the fills of the key in flight are over."""
         if self.read_through is not None:
             await self.read_through.settle(key)
         await anyio.to_thread.run_sync(self.disk.delete, key)
-        if self.uploads is not None and item is not None:
-            await self.uploads.delete_now(item)
-        elif self.s3 is not None:
-            await self.s3.delete(key)
 
     # -- namespaces -----------------------------------------------------------------
 

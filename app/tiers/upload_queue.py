@@ -110,7 +110,8 @@ def _record_bytes(item: PendingUpload) -> bytes:
     return json.dumps(item.record()).encode("utf-8")
 
 
-UploadFn = Callable[[PendingUpload], Awaitable[None]]
+#: Uploads an item's entry: True, or False when S3 held another body, which won.
+UploadFn = Callable[[PendingUpload], Awaitable[bool]]
 DeleteFn = Callable[[EntryKey], Awaitable[None]]
 
 
@@ -559,8 +560,8 @@ class UploadQueue:
             if upload and item.upload and not item.deleted:
                 action = "upload"
                 item.running = "upload"
-                await self._upload(item)
-                self.metrics.uploads.labels("ok").inc()
+                stored = await self._upload(item)
+                self.metrics.uploads.labels("ok" if stored else "lost").inc()
                 if item.marks == marks:  # else a DELETE dropped it (and a later PUT
                     item.upload = False  # may owe its own upload)
         except EntryGone as exc:

@@ -32,7 +32,13 @@ from app.metrics import S3Metrics
 from app.settings import Settings
 from app.tiers.s3.breaker import CircuitBreaker
 from app.tiers.s3.download import ObjectBody, S3Download
-from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
+from app.tiers.s3.errors import (
+    S3Error,
+    S3Unavailable,
+    is_not_found,
+    is_precondition_failed,
+    map_error,
+)
 from app.tiers.s3.get_transport import object_get
 from app.tiers.s3.http_session import s3_transport
 from app.tiers.s3.loop_get import LoopGet
@@ -198,6 +204,10 @@ class S3Client:
             self.breaker.mark_available()
             return
         mapped = map_error(exc, operation, self.breaker.cooldown)
+        if is_precondition_failed(exc):  # a conditional write found the key taken
+            self.metrics.requests.labels(operation, "exists").inc()
+            self.breaker.mark_available()
+            raise mapped from exc
         if isinstance(mapped, S3Unavailable):
             self.metrics.requests.labels(operation, "unavailable").inc()
             self.breaker.mark_unavailable(str(mapped))
