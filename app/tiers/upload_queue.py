@@ -90,6 +90,9 @@ class PendingUpload:
     journaling: int = 0
     #: PUTs between reserve and release (concurrent PUTs of one key share the record).
     writers: int = 0
+    #: PUTs that reserved it so far: one during an upload (its entry committed after
+    #: a lost upload dropped the disk copy) owes an upload of its own.
+    reservations: int = 0
 
     def record(self) -> dict[str, object]:
         return {
@@ -306,6 +309,7 @@ class UploadQueue:
             self._resize(item, size)
             item.crc32c = crc32c
         item.writers += 1
+        item.reservations += 1
         return item
 
     def stage_record(self, item: PendingUpload) -> StagedFile:
@@ -541,7 +545,7 @@ class UploadQueue:
         """Do what ``item`` owes: its delete, then (with ``upload``) its upload. A
         failure is retried after a back-off; a DELETE that marked it meanwhile makes
         its delete due at once."""
-        marks = item.marks
+        marks, reservations = item.marks, item.reservations
         item.attempts += 1
         action = "delete" if item.deleted else "upload"
         try:
@@ -562,12 +566,14 @@ class UploadQueue:
                 item.running = "upload"
                 stored = await self._upload(item)
                 self.metrics.uploads.labels("ok" if stored else "lost").inc()
-                if item.marks == marks:  # else a DELETE dropped it (and a later PUT
-                    item.upload = False  # may owe its own upload)
+                # Else a DELETE dropped it, or a PUT reserved it since: a later PUT
+                # may owe its own upload.
+                if (item.marks, item.reservations) == (marks, reservations):
+                    item.upload = False
         except EntryGone as exc:
             log.warning("upload queue: dropping the upload of %s: %s", item.key, exc)
             self.metrics.uploads.labels("dropped").inc()
-            if item.marks == marks:
+            if (item.marks, item.reservations) == (marks, reservations):
                 item.upload = False
             self._due_if_owing(item)
         except asyncio.CancelledError:
