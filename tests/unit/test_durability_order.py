@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from app.checksum import crc32c
 from app.keys import EntryKey
@@ -33,7 +32,8 @@ from app.namespaces import Purges
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier, StagedFile, file_sync, group_commit
 from app.tiers.disk.file_sync import write_durably
-from app.tiers.upload_queue import PendingUpload, UploadQueue
+from app.tiers.upload_journal import PendingUpload, UploadJournal
+from app.write_policy import DiskOnlyPolicy
 from testkit.entries import body
 
 Event = tuple[str, ...]
@@ -234,21 +234,10 @@ def _durable_write_of(recorder: Recorder, final: Path) -> None:
 def test_a_delete_record_of_the_upload_journal_is_durable(
     tier: DiskTier, recorder: Recorder
 ) -> None:
-    queue = UploadQueue(
-        tier.root,
-        tier,
-        _no_upload,
-        _no_delete,
-        max_entries=10,
-        max_bytes=1000,
-        workers=1,
-        retry_min=1,
-        retry_max=1,
-        registry=CollectorRegistry(),
-    )
+    journal = UploadJournal(tier.root)
     item = PendingUpload(_key("gone"), 0, 0, 0.0, upload=False, deleted=True)
-    queue.write_record(item)
-    final = queue.directory / f"{item.key.digest}.json"
+    journal.write(item)
+    final = journal.path(item.key)
     _durable_write_of(recorder, final)
     assert json.loads(final.read_text())["deleted"] is True
 
@@ -257,7 +246,7 @@ def test_a_delete_record_of_the_upload_journal_is_durable(
 async def test_a_purge_record_is_durable_before_the_purge_is_reported(
     tier: DiskTier, recorder: Recorder
 ) -> None:
-    purges = Purges(tier.root, tier, None, None, None)
+    purges = Purges(tier.root, tier, None, None, DiskOnlyPolicy())
     job, started = await purges.request("m", None)
     assert started
     _durable_write_of(recorder, purges.directory / f"{job.id}.json")
@@ -267,11 +256,3 @@ async def test_a_purge_record_is_durable_before_the_purge_is_reported(
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def _no_upload(item: PendingUpload) -> bool:
-    raise AssertionError("no upload is expected here")
-
-
-async def _no_delete(key: EntryKey) -> None:
-    raise AssertionError("no S3 delete is expected here")

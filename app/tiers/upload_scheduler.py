@@ -1,31 +1,22 @@
-"""The write-back queue: durable uploads and deletes of S3 objects, bounded, retried
-with exponential backoff.
+"""The write-back scheduler: the uploads and deletes of S3 objects that the write-back
+journal (``app.tiers.upload_journal``) records, bounded, retried with exponential
+backoff, and the hiding of deleted keys.
 
 In ``write-back`` mode a PUT answers 201 once the entry is committed to the disk tier; its
-upload to S3 happens later, from this queue. A DELETE answers once the S3 delete it owes
-is journaled here (:meth:`UploadQueue.mark_deleted`); the delete is made at once, or
-right after an upload of the key in flight, and retried until S3 confirms it. A purge
-does the same for the uploads of its namespace in flight, and waits for them
-(:meth:`UploadQueue.delete_namespace`). Durability comes from a journal directory::
+upload to S3 happens later, from here. A DELETE answers once the S3 delete it owes is
+journaled (:meth:`UploadScheduler.mark_deleted`); the delete is made at once, or right
+after an upload of the key in flight, and retried until S3 confirms it. A purge does
+the same for the uploads of its namespace in flight, and waits for them
+(:meth:`UploadScheduler.delete_namespace`). While a delete is owed, the key's S3 object
+is never read (:meth:`UploadScheduler.hides`): nothing deleted comes back through a
+read-through. The upload and the delete of one key never run at the same time. Every
+pending key is pinned in the disk tier, so an entry is never evicted before it is
+uploaded.
 
-    {data_dir}/upload-queue/{key digest}.json     one small record per pending key
-
-A record says what its key owes S3: the upload of its disk entry, a delete of its
-object (``"deleted": true``), or both (a delete, then the upload of an entry PUT after
-it). It is written atomically (temp file, ``fdatasync``, ``rename``, ``fsync`` of the
-directory): a PUT's before its entry is published on disk — in the disk tier's group
-commit of that entry, see :meth:`UploadQueue.stage_record` — a DELETE's before the disk
-entry is removed; it is removed once S3 has done what it owes, so neither a restart nor
-``kill -9`` loses an upload or a delete: the directory is rescanned at start-up. There,
-an upload whose entry is not on disk (the PUT never completed, or the entry was deleted)
-is dropped, and an entry whose record owes only a delete (its DELETE did not finish) is
-removed from disk. While a delete is owed, the key's S3 object is never read
-(:meth:`UploadQueue.hides`): nothing deleted comes back through a read-through. The
-upload and the delete of one key never run at the same time. Every pending key is
-pinned in the disk tier, so an entry is never evicted before it is uploaded.
-
-The queue is bounded by entries and bytes. When it is full the store does not drop
-anything: it falls back to write-through for that PUT (which answers 503 if S3 is down).
+What an upload and a delete are is the write-back policy's (``app.writes.write_back``),
+which hands them in as functions: the scheduler knows keys, records and timing only.
+It is bounded by entries and bytes; when it is full the policy does not drop anything:
+it falls back to write-through for that PUT (which answers 503 if S3 is down).
 Failures are retried with exponential backoff and jitter; one success resets the
 backoff of all waiting keys, so the queue drains quickly once S3 is back.
 """
@@ -34,30 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-import os
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
-from app.errors import InvalidKey
 from app.keys import EntryKey
 from app.metrics import UploadQueueMetrics
 from app.retries import backoff
 from app.tiers.disk import DiskTier, StagedFile
-from app.tiers.disk.file_sync import write_durably
+from app.tiers.upload_journal import PendingUpload, UploadJournal
 
 log = logging.getLogger(__name__)
 
-JOURNAL_DIR = "upload-queue"
 #: Seconds between upload-failure log lines while uploads keep failing.
 LOG_INTERVAL = 30.0
 
@@ -66,65 +50,18 @@ class EntryGone(Exception):
     """The local entry to upload no longer exists (deleted, or corrupt and dropped)."""
 
 
-@dataclass
-class PendingUpload:
-    """What one key owes S3 (its journal record, and the state of its work)."""
-
-    key: EntryKey
-    size: int
-    crc32c: int
-    queued_at: float  # wall clock, for operators
-    attempts: int = 0
-    next_attempt: float = 0.0  # monotonic
-    last_error: str | None = None
-    #: The entry committed on disk owes its upload.
-    upload: bool = True
-    #: A delete of the S3 object is owed (journaled), before any upload.
-    deleted: bool = False
-    #: The work in flight: "upload", "delete" or None.
-    running: str | None = None
-    #: DELETEs and purges that marked it: a delete sent before the last one does not
-    #: settle it (the object may have been written again since).
-    marks: int = 0
-    #: DELETEs or purges journaling its record right now.
-    journaling: int = 0
-    #: PUTs between reserve and release (concurrent PUTs of one key share the record).
-    writers: int = 0
-    #: PUTs that reserved it so far: one during an upload (its entry committed after
-    #: a lost upload dropped the disk copy) owes an upload of its own.
-    reservations: int = 0
-
-    def record(self) -> dict[str, object]:
-        return {
-            "v": 1,
-            "model": self.key.model,
-            "dtype": self.key.dtype,
-            "hash": self.key.hash,
-            "size": self.size,
-            "crc32c": f"{self.crc32c:08x}",
-            "queued_at": self.queued_at,
-            # A PUT's record becomes durable with its entry: it owes the upload.
-            "upload": self.upload or self.writers > 0,
-            "deleted": self.deleted,
-        }
-
-
-def _record_bytes(item: PendingUpload) -> bytes:
-    return json.dumps(item.record()).encode("utf-8")
-
-
 #: Uploads an item's entry: True, or False when S3 held another body, which won.
 UploadFn = Callable[[PendingUpload], Awaitable[bool]]
 DeleteFn = Callable[[EntryKey], Awaitable[None]]
 
 
-class UploadQueue:
+class UploadScheduler:
     """See the module docstring. ``load`` before the disk index is rebuilt (so pending
     entries are pinned before anything is evicted), ``reconcile`` after it."""
 
     def __init__(
         self,
-        data_dir: Path,
+        journal: UploadJournal,
         disk: DiskTier,
         upload: UploadFn,
         delete: DeleteFn,
@@ -136,7 +73,7 @@ class UploadQueue:
         retry_max: float,
         registry: CollectorRegistry,
     ) -> None:
-        self.directory = data_dir / JOURNAL_DIR
+        self.journal = journal
         self.disk = disk
         self._upload = upload
         self._delete = delete
@@ -175,69 +112,18 @@ class UploadQueue:
 
     def load(self) -> int:
         """Read the journal (blocking; run in a thread) and pin every pending entry."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        loaded = 0
-        for path in sorted(self.directory.iterdir()):
-            if path.name.endswith(".tmp"):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
-            try:
-                item = self._parse(path)
-            except (OSError, ValueError, KeyError, TypeError, InvalidKey) as exc:
-                log.error("upload queue: dropping unreadable record %s: %s", path, exc)
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
-            if path.name != f"{item.key.digest}.json" or item.key.digest in self._items:
-                log.error("upload queue: dropping misnamed record %s", path)
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
+        items = self.journal.load()
+        for item in items:
             self._add(item)
             self._set_deleted(item, item.deleted)
-            loaded += 1
-        return loaded
-
-    @staticmethod
-    def _parse(path: Path) -> PendingUpload:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        key = EntryKey.parse(str(raw["model"]), str(raw["dtype"]), str(raw["hash"]))
-        crc = str(raw["crc32c"])
-        if len(crc) != 8:
-            raise ValueError(f"bad crc32c {crc!r}")
-        upload, deleted = raw.get("upload", True), raw.get("deleted", False)
-        if not isinstance(upload, bool) or not isinstance(deleted, bool):
-            raise ValueError("upload and deleted must be booleans")
-        return PendingUpload(
-            key,
-            int(raw["size"]),
-            int(crc, 16),
-            float(raw["queued_at"]),
-            upload=upload,
-            deleted=deleted,
-        )
+        return len(items)
 
     def reconcile(self) -> int:
-        """Match the journal with the disk (blocking): drop the uploads whose entry is
-        not on disk, finish the DELETEs a crash interrupted. Returns how many remain."""
+        """Match the journal with the disk (blocking; see ``UploadJournal.reconcile``).
+        Returns how many keys remain."""
+        self.journal.reconcile(list(self._items.values()), self.disk)
+        self.pending_bytes = sum(item.size for item in self._items.values())
         for item in list(self._items.values()):
-            on_disk = self.disk.contains(item.key)
-            if item.deleted and not item.upload and on_disk:
-                log.warning(
-                    "upload queue: %s was being deleted when the server stopped: removing "
-                    "its disk entry; its S3 object is deleted next",
-                    item.key,
-                )
-                self.disk.delete(item.key)
-            elif item.upload and not on_disk:
-                log.warning(
-                    "upload queue: %s is no longer on disk (PUT interrupted or deleted); "
-                    "dropping its upload",
-                    item.key,
-                )
-                item.upload = False
-                self._resize(item, 0)
             self._retire(item)
         if self._items:
             log.info(
@@ -272,7 +158,7 @@ class UploadQueue:
                     "upload queue: %d keys still pending at shutdown; they stay in %s "
                     "and resume at the next start",
                     len(self._items),
-                    self.directory,
+                    self.journal.directory,
                 )
         for task in self._tasks:
             task.cancel()
@@ -313,31 +199,9 @@ class UploadQueue:
         return item
 
     def stage_record(self, item: PendingUpload) -> StagedFile:
-        """Write the record under a temp name (a few hundred bytes, page cache only);
-        the disk tier's group commit syncs and renames it, in the batch of the entry
-        and before the entry is published."""
-        fd, tmp, final = self._record_file(item)
-        return StagedFile(fd, tmp, final)
-
-    def write_record(self, item: PendingUpload) -> None:
-        """Journal the record durably (blocking)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        write_durably(self.directory / f"{item.key.digest}.json", _record_bytes(item))
-
-    def _record_file(self, item: PendingUpload) -> tuple[int, Path, Path]:
-        """The record written to a new temp file: (its open fd, its path, the record's)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / f"{item.key.digest}.json"
-        tmp = self.directory / f".{item.key.digest}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, _record_bytes(item))
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
-        return fd, tmp, final
+        """The record of a PUT about to commit, staged for the disk tier's group commit
+        (``UploadJournal.stage``; blocking)."""
+        return self.journal.stage(item)
 
     def activate(self, item: PendingUpload | None = None) -> None:
         """Make ``item`` due now and wake a worker."""
@@ -385,7 +249,7 @@ class UploadQueue:
                 await self._wait_change()
             item.upload = False
             self._resize(item, 0)
-            await anyio.to_thread.run_sync(self.write_record, item)
+            await anyio.to_thread.run_sync(self.journal.write, item)
         finally:
             item.journaling -= 1
             self.activate(item)
@@ -456,8 +320,7 @@ class UploadQueue:
         del self._items[item.key.digest]
         self._deleting.discard(item.key.digest)
         self.pending_bytes -= item.size
-        with contextlib.suppress(FileNotFoundError):
-            (self.directory / f"{item.key.digest}.json").unlink()
+        self.journal.remove(item.key)
         self.disk.unpin(item.key)
         self._update_idle()
 
