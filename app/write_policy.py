@@ -121,10 +121,16 @@ async def commit_durably(
     return created
 
 
-class _NoRemote:
-    """The parts of a policy without a remote side to hide or drain."""
+class _Defaults:
+    """What a policy does where it has nothing to do: no upload beside the receive,
+    nothing hidden, nothing to load, drain or report."""
 
     decides_without_s3 = False
+
+    def stream(
+        self, key: EntryKey, size: int | None, crc32c: int | None, known_absent: bool
+    ) -> WriteThrough | None:
+        return None
 
     def hides(self, key: EntryKey) -> bool:
         return False
@@ -149,15 +155,10 @@ class _NoRemote:
         return None
 
 
-class DiskOnlyPolicy(_NoRemote):
+class DiskOnlyPolicy(_Defaults):
     """No S3: the disk decides."""
 
     durable = True
-
-    def stream(
-        self, key: EntryKey, size: int | None, crc32c: int | None, known_absent: bool
-    ) -> WriteThrough | None:
-        return None
 
     async def commit(
         self,
@@ -174,7 +175,7 @@ class DiskOnlyPolicy(_NoRemote):
         yield
 
 
-class WriteThroughPolicy(_NoRemote):
+class WriteThroughPolicy(_Defaults):
     """201 only once S3 holds the entry; on any S3 failure nothing is stored."""
 
     durable = False  # S3 holds what the disk copies
@@ -241,7 +242,7 @@ class WriteThroughPolicy(_NoRemote):
         return bool(self._deleting)
 
 
-class WriteBackPolicy:
+class WriteBackPolicy(_Defaults):
     """201 once durable on disk; uploads and deletes later, from the scheduler."""
 
     durable = True
@@ -267,11 +268,6 @@ class WriteBackPolicy:
         )
         #: For a PUT that finds the queue full (never dropped).
         self._through = WriteThroughPolicy(disk, s3)
-
-    def stream(
-        self, key: EntryKey, size: int | None, crc32c: int | None, known_absent: bool
-    ) -> WriteThrough | None:
-        return None
 
     async def commit(
         self,
