@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -33,8 +32,6 @@ from app.tiers.disk import DiskStats, DiskTier, NamespaceUsage
 from app.tiers.overlapped import OverlappedWrite
 from app.tiers.read_through import ReadThrough
 from app.write_policy import WritePolicy
-
-log = logging.getLogger(__name__)
 
 #: Received chunks are batched into writes of about this size, each in a writer thread
 #: while the next batch is received (a write can stall behind a file-system journal

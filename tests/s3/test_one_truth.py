@@ -1,13 +1,14 @@
 """One truth across tiers and replicas (issue #45): racing writers on two replicas
-sharing one bucket agree on one body, in S3, on both disks and in every answer; a GET
-during a DELETE does not bring the entry back, also after a restart; a write-back PUT
-of a key this disk evicted converges on S3's body.
+sharing one bucket (and on a disk-only server) agree on one body, in S3, on both disks
+and in every answer; a GET during a DELETE does not bring the entry back, also after a
+restart; a write-back PUT of a key this disk evicted converges on S3's body.
 
 Bodies are compared byte for byte: in S3 (read with boto3, not through the server), in
 the disk tiers' files, and in what the servers answer."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -71,11 +72,14 @@ def _lost_uploads(srv: ServerProcess) -> float:
 
 def _race(replicas: list[ServerProcess], name: str, bodies: list[bytes]) -> list[httpx.Response]:
     """PUT the bodies at once, alternating replicas; half of them announce their
-    CRC32C (the streamed write-through path), half do not (upload after the body)."""
+    CRC32C (the streamed write-through path), half do not (upload after the body); one
+    in four sends ``If-None-Match: *``, as the SDK does (412 when it finds the key)."""
     start = threading.Barrier(len(bodies))
 
     def put(i: int) -> httpx.Response:
         headers = {"X-EC-CRC32C": crc_hex(bodies[i])} if i % 2 else {}
+        if i % 4 == 3:
+            headers["If-None-Match"] = "*"
         start.wait()
         return httpx.put(
             replicas[i % len(replicas)].url + _path(name),
@@ -99,9 +103,10 @@ def test_racing_writers_on_two_replicas_agree_on_one_body(
     for round_ in range(3):
         name = f"race{round_}"
         answers = _race(replicas, name, bodies)
-        assert all(answer.status_code in (200, 201) for answer in answers), [
+        assert all(answer.status_code in (200, 201, 412) for answer in answers), [
             (answer.status_code, answer.text) for answer in answers
         ]
+        answers = [answer for answer in answers if answer.status_code != 412]
         if mode == "write-back":
             for srv in replicas:
                 wait_for(partial(_queue_empty, srv), "the uploads to settle", WAIT_S)
@@ -130,6 +135,19 @@ def test_racing_writers_on_two_replicas_agree_on_one_body(
                 WAIT_S,
             )
         assert crc_hex(stored) in crcs
+
+
+def test_racing_writers_on_a_disk_only_server_agree_on_one_body(tmp_path: Path) -> None:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("EC_")}
+    bodies = [body((256 * 1024,), "U8", 1, seed=seed) for seed in range(WRITERS)]
+    with ServerProcess(tmp_path / "data", tmp_path / "server.log", env=env) as srv:
+        answers = [a for a in _race([srv], "race", bodies) if a.status_code != 412]
+        [created] = [answer for answer in answers if answer.status_code == 201]
+        [stored] = [data for data in bodies if crc_hex(data) == created.json()["crc32c"]]
+        assert {answer.status_code for answer in answers} == {200, 201}
+        assert {answer.json()["crc32c"] for answer in answers} == {crc_hex(stored)}
+        assert httpx.get(srv.url + _path("race"), timeout=WAIT_S).content == stored
+        assert _disk_bodies(srv, "race") == [stored]
 
 
 def test_a_get_during_a_delete_does_not_bring_the_entry_back(
