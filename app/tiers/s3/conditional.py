@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +55,10 @@ def _probe_sync(s3: S3Client) -> ConditionalWrites:
     client = s3.probe_client
     key = f"{s3.prefix}/{PROBE_PREFIX}/{uuid.uuid4().hex}" if s3.prefix else uuid.uuid4().hex
     try:
-        put = _honoured(
+        put = honours_if_none_match(
             lambda: client.put_object(Bucket=s3.bucket, Key=key, Body=b"1", IfNoneMatch="*")
         )
-        complete = _honoured(lambda: _multipart(client, s3.bucket, key))
+        complete = honours_if_none_match(lambda: _multipart(client, s3.bucket, key))
     finally:
         client.delete_object(Bucket=s3.bucket, Key=key)
     return ConditionalWrites(put=put, complete_multipart=complete)
@@ -81,10 +82,11 @@ def _multipart(client: Any, bucket: str, key: str) -> None:
         raise
 
 
-def _honoured(write: Any) -> bool:
-    """Whether a conditional write of an object that exists (after the first
-    ``PutObject`` created it) is refused with 412; a store that refuses the header
-    itself (400, 501) does not honour it either."""
+def honours_if_none_match(write: Callable[[], object]) -> bool:
+    """Whether ``write``, a conditional write of one key made twice (so the key has an
+    object by the second at the latest), is refused with 412. Taken twice (the store
+    ignored the header) or the header refused (400, 501): not honoured; any other
+    failure is raised (the probe failed)."""
     try:
         write()
         write()
