@@ -31,6 +31,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio.to_thread
@@ -175,6 +176,31 @@ class DiskOnlyPolicy(_Defaults):
         yield
 
 
+@dataclass(eq=False)
+class _KeyLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class KeyLocks:
+    """One lock per key while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, _KeyLock] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: EntryKey) -> AsyncIterator[None]:
+        held = self._locks.setdefault(key.digest, _KeyLock())
+        held.users += 1
+        try:
+            async with held.lock:
+                yield
+        finally:
+            held.users -= 1
+            if not held.users:
+                del self._locks[key.digest]
+
+
 class WriteThroughPolicy(_Defaults):
     """201 only once S3 holds the entry; on any S3 failure nothing is stored."""
 
@@ -185,6 +211,9 @@ class WriteThroughPolicy(_Defaults):
         self.s3 = s3
         #: Keys whose DELETE is in progress, by digest (how many).
         self._deleting: Counter[str] = Counter()
+        #: A PUT's upload and disk commit, and a DELETE, of one key never interleave:
+        #: else a DELETE between the two would leave the entry on disk and not in S3.
+        self._keys = KeyLocks()
 
     def stream(
         self, key: EntryKey, size: int | None, crc32c: int | None, known_absent: bool
@@ -203,23 +232,21 @@ class WriteThroughPolicy(_Defaults):
         header: TensorHeader,
         stream: WriteThrough | None,
     ) -> bool:
-        if stream is not None:
-            if await stream.present():
-                return False  # another replica wrote it first: theirs is the entry
-            if stream.upload is None:  # not streamed (too large): upload the file now
-                stored = await self.s3.put_file(key, pending.path, crc, header)
-            else:
-                stored = await stream.finish()
-        elif self.disk.contains(key):
+        if stream is None and self.disk.contains(key):
             # Here already, so in S3 (or queued for it): the disk decides. Should the
             # entry here go before the batch, this body becomes the entry, and S3 may
             # not have it: durable.
             return await commit_durably(pending, crc, header)
-        else:
-            stored = await self.s3.put_file(key, pending.path, crc, header)
-        if not stored:  # lost the race in S3: theirs is the entry, never on this disk
-            return False
-        return await anyio.to_thread.run_sync(pending.commit, crc, header)
+        async with self._keys.hold(key):
+            if stream is not None and await stream.present():
+                return False  # another replica wrote it first: theirs is the entry
+            if stream is not None and stream.upload is not None:
+                stored = await stream.finish()
+            else:  # not streamed (length or CRC32C unknown, or too large): the file
+                stored = await self.s3.put_file(key, pending.path, crc, header)
+            if not stored:  # lost the race in S3: theirs is the entry, never on this disk
+                return False
+            return await anyio.to_thread.run_sync(pending.commit, crc, header)
 
     @contextlib.asynccontextmanager
     async def deleting(self, key: EntryKey) -> AsyncIterator[None]:
@@ -227,8 +254,9 @@ class WriteThroughPolicy(_Defaults):
         object is the entry again), so a read in between cannot copy it back to disk."""
         self._deleting[key.digest] += 1
         try:
-            yield
-            await self.s3.delete(key)
+            async with self._keys.hold(key):
+                yield
+                await self.s3.delete(key)
         finally:
             self._deleting[key.digest] -= 1
             if not self._deleting[key.digest]:

@@ -59,6 +59,14 @@ def _holds_only(srv: ServerProcess, name: str, data: bytes) -> bool:
     return _disk_bodies(srv, name) == [data]
 
 
+def _hidden(url: str, s3_proxy: FaultProxy) -> bool:
+    """Whether the replica hides the key (a DELETE of it is under way): a HEAD of it
+    is a miss that does not ask S3."""
+    asked = s3_proxy.count("HEAD")
+    assert httpx.head(url, timeout=WAIT_S).status_code == 404
+    return s3_proxy.count("HEAD") == asked
+
+
 def _queue_empty(srv: ServerProcess) -> bool:
     stats: dict[str, Any] = httpx.get(srv.url + "/stats", timeout=10).json()
     return bool(stats["upload_queue"]["entries"] == 0)
@@ -175,6 +183,35 @@ def test_a_get_during_a_delete_does_not_bring_the_entry_back(
     assert httpx.get(url, timeout=WAIT_S).status_code == 404
     srv.stop()
     srv.start()
+    assert httpx.get(url, timeout=WAIT_S).status_code == 404
+
+
+def test_a_delete_during_a_write_through_put_leaves_the_tiers_agreeing(
+    make_server: ServerFactory, s3_endpoint: S3Endpoint, s3_prefix: str, s3_proxy: FaultProxy
+) -> None:
+    """The PUT's upload is held, a DELETE of the key comes, then the upload lands
+    before the S3 delete does: the DELETE waits for the PUT's commit, so it removes
+    the entry from both tiers, rather than S3 alone (leaving the disk serving it)."""
+    srv = make_server("a", endpoint_url=s3_proxy.url)  # write-through
+    data = body((4096,), "U8", 1, seed=5)
+    url = srv.url + _path("contested")
+    s3_proxy.put_gate.clear()
+    s3_proxy.delete_gate.clear()
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            putting = pool.submit(httpx.put, url, content=data, timeout=WAIT_S)
+            wait_for(lambda: s3_proxy.puts_held == 1, "the upload to be in flight", WAIT_S)
+            deleting = pool.submit(httpx.delete, url, timeout=WAIT_S)
+            wait_for(partial(_hidden, url, s3_proxy), "the DELETE to be under way", WAIT_S)
+            s3_proxy.put_gate.set()
+            assert putting.result().status_code == 201
+            wait_for(lambda: s3_proxy.deletes_held == 1, "the S3 delete to be in flight", WAIT_S)
+        finally:
+            s3_proxy.put_gate.set()
+            s3_proxy.delete_gate.set()
+        assert deleting.result().status_code == 204
+    assert _s3_body(s3_endpoint, s3_prefix, "contested") is None
+    assert _disk_bodies(srv, "contested") == []
     assert httpx.get(url, timeout=WAIT_S).status_code == 404
 
 
