@@ -182,7 +182,7 @@ class _KeyLock:
     users: int = 0
 
 
-class KeyLocks:
+class _KeyLocks:
     """One lock per key while someone holds or waits for it."""
 
     def __init__(self) -> None:
@@ -213,7 +213,7 @@ class WriteThroughPolicy(_Defaults):
         self._deleting: Counter[str] = Counter()
         #: A PUT's upload and disk commit, and a DELETE, of one key never interleave:
         #: else a DELETE between the two would leave the entry on disk and not in S3.
-        self._keys = KeyLocks()
+        self._keys = _KeyLocks()
 
     def stream(
         self, key: EntryKey, size: int | None, crc32c: int | None, known_absent: bool
