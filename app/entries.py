@@ -20,8 +20,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Iterator
 
-from pydantic import BaseModel, Field, ValidationError
-from starlette.exceptions import HTTPException
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
@@ -29,6 +28,8 @@ from starlette.types import Message, Receive, Scope, Send
 from app import checksum, wire
 from app.auth import Authenticator
 from app.auth import Scope as AuthScope
+from app.claim_routes import ClaimRoutes, ExistsRequest, read_batch, states_document
+from app.claims import Claims
 from app.error_responses import ec_error_response, internal_error_response
 from app.errors import (
     AlreadyExists,
@@ -39,14 +40,7 @@ from app.errors import (
     MethodNotAllowed,
     NotFound,
 )
-from app.keys import (
-    HASH_RULE,
-    EntryKey,
-    first_invalid_hash,
-    parse_key,
-    validate_dtype,
-    validate_model,
-)
+from app.keys import EntryKey, parse_key
 from app.responses import EntryResponse
 from app.settings import Settings
 from app.store import Store
@@ -58,22 +52,10 @@ log = logging.getLogger("app")
 ENTRY_PATH = re.compile(r"/ec/(?P<model>.*)/(?P<dtype>[^/]+)/(?P<hash>[^/]+)")
 
 
-#: The most hashes one ``POST .../_exists`` may ask about.
-MAX_EXISTS_HASHES = 1000
-
-
 class PutResponse(BaseModel):
     created: bool
     size: int
     crc32c: str
-
-
-class ExistsRequest(BaseModel):
-    hashes: list[str] = Field(max_length=MAX_EXISTS_HASHES)
-
-
-class ExistsResponse(BaseModel):
-    present: list[bool]
 
 
 @contextlib.contextmanager
@@ -110,24 +92,38 @@ def _parse_length(value: str | None) -> int | None:
 
 
 Handler = Callable[[Request, EntryKey], Awaitable[Response]]
+#: A namespace's batch operation: ``POST /ec/{model}/{dtype}/_{name}``.
+BatchHandler = Callable[[Request, str, str], Awaitable[Response]]
 
 
 class EntryRoutes:
-    """The four entry methods and ``POST .../_exists``. :meth:`match` says whether a
-    request is one of them; anything else (the other routes) is left to FastAPI."""
+    """The four entry methods, ``POST .../_exists`` and the claim operations
+    (``app.claim_routes``). :meth:`match` says whether a request is one of them;
+    anything else (the other routes) is left to FastAPI."""
 
     ALLOW = "GET, HEAD, PUT, DELETE"
 
-    def __init__(self, store: Store, authenticator: Authenticator) -> None:
+    def __init__(self, store: Store, authenticator: Authenticator, claims: Claims) -> None:
         self.store = store
         self.settings: Settings = store.settings
         self.authenticator = authenticator
+        self.claims = claims
         self.methods: dict[str, tuple[AuthScope, Handler]] = {
             "GET": (AuthScope.READ, self.get),
             "HEAD": (AuthScope.READ, self.head),
             "PUT": (AuthScope.WRITE, self.put),
             "DELETE": (AuthScope.ADMIN, self.delete),
         }
+        claim_routes = ClaimRoutes(store, claims, self.settings)
+        # Claiming obeys the scope of writing: whoever may not store a key may not
+        # make others wait for it.
+        self.batches: dict[str, tuple[AuthScope, BatchHandler]] = {
+            "_exists": (AuthScope.READ, self.exists),
+            "_claim": (AuthScope.WRITE, claim_routes.claim),
+            "_release": (AuthScope.WRITE, claim_routes.release),
+            "_wait": (AuthScope.READ, claim_routes.wait),
+        }
+        self._claim_routes = claim_routes
 
     def match(self, scope: Scope) -> re.Match[str] | None:
         return ENTRY_PATH.fullmatch(scope["path"])
@@ -163,9 +159,11 @@ class EntryRoutes:
         authorization = request.headers.get("authorization")
         # Authorization first: an unauthorized client learns nothing, not even that its
         # key is malformed.
-        if request.method == "POST" and path["hash"] == "_exists":
-            self.authenticator.authorize(authorization, AuthScope.READ, model)
-            return await self.exists(request, model, path["dtype"])
+        batch = self.batches.get(path["hash"]) if request.method == "POST" else None
+        if batch is not None:
+            batch_scope, batch_handler = batch
+            self.authenticator.authorize(authorization, batch_scope, model)
+            return await batch_handler(request, model, path["dtype"])
         method = self.methods.get(request.method)
         if method is None:
             raise MethodNotAllowed(f"{request.method} is not allowed here", allow=self.ALLOW)
@@ -175,27 +173,14 @@ class EntryRoutes:
 
     async def exists(self, request: Request, model: str, dtype: str) -> Response:
         """Which of the hashes in the JSON body are stored (in this namespace), in
-        order; a 400 names the first invalid one by its index."""
-        validate_model(model)
-        validate_dtype(dtype)
-        content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if content_type != "application/json" and not content_type.endswith("+json"):
-            raise InvalidRequest("the body must be JSON (Content-Type: application/json)")
-        try:
-            body = await request.body()
-        except HTTPException as exc:  # the edge's limit on bodies other than uploads
-            raise BodyTooLarge(str(exc.detail)) from None
-        except ClientDisconnect:
-            raise ClientGone("client disconnected before sending the whole body") from None
-        try:
-            hashes = ExistsRequest.model_validate_json(body).hashes
-        except ValidationError as exc:
-            raise InvalidRequest.from_validation(exc.errors()) from None
-        index = first_invalid_hash(hashes)
-        if index is not None:
-            raise InvalidRequest(f"hashes[{index}]: {HASH_RULE}", part="hashes")
-        present = await self.store.exists_many(model, dtype, hashes)
-        return JSONResponse({"present": present})  # as ExistsResponse describes it
+        order, and with ``claims`` which absent ones are being computed; a 400 names
+        the first invalid hash by its index."""
+        asked = await read_batch(request, model, dtype, ExistsRequest)
+        if not asked.claims:
+            present = await self.store.exists_many(model, dtype, asked.hashes)
+            return JSONResponse({"present": present})  # as ExistsResponse describes it
+        keys = [EntryKey(model, dtype, digest) for digest in asked.hashes]
+        return states_document(*await self._claim_routes.states(keys))
 
     async def get(self, request: Request, key: EntryKey) -> Response:
         store = self.store
@@ -240,6 +225,7 @@ class EntryRoutes:
         except ClientDisconnect:
             raise ClientGone("client disconnected before sending the whole body") from None
         request.state.body_consumed = True
+        self.claims.settle(key)  # whoever computed it, the key is no longer missing
         crc_hex = checksum.to_hex(result.crc32c)
         return JSONResponse(
             PutResponse(created=result.created, size=result.size, crc32c=crc_hex).model_dump(),

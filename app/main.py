@@ -14,10 +14,11 @@ from starlette.types import Receive, Scope, Send
 from app import __version__
 from app.api import router
 from app.auth import AnonymousAccess, Authenticator, load_tokens
+from app.claims import Claims
 from app.entries import EntryRoutes
 from app.error_responses import ec_error_response, error_response, internal_error_response
 from app.errors import BodyTooLarge, ECError, InvalidRequest
-from app.metrics import Metrics
+from app.metrics import ClaimMetrics, Metrics
 from app.middleware import EdgeMiddleware
 from app.namespaces_api import router as namespaces_router
 from app.openapi import openapi_builder
@@ -169,5 +170,11 @@ def create_app(settings: Settings | None = None) -> ECApp:
     app.add_exception_handler(Exception, _unexpected_error)
     # Outside everything: refusals and errors get an id, a count and an access line too.
     app.edge = EdgeMiddleware(app.route, settings, metrics)
-    app.entries = EntryRoutes(store, authenticator)
+    claims = Claims(
+        max_keys=settings.claim_max_keys,
+        max_lease=settings.claim_max_lease,
+        max_waiters=settings.claim_max_waiters,
+        metrics=ClaimMetrics(metrics.registry),
+    )
+    app.entries = EntryRoutes(store, authenticator, claims)
     return app

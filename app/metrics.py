@@ -166,6 +166,46 @@ class Metrics:
             self.registry.register(self._namespace_lookups)
 
 
+class ClaimMetrics:
+    """Claims on missing keys and the requests waiting for them (``app.claims``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.claims = Counter(
+            "ec_claims",
+            "Claims asked for absent keys, by outcome: granted, computing (held by "
+            "another owner), full (EC_CLAIM_MAX_KEYS claims live: not granted).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.ended = Counter(
+            "ec_claims_ended",
+            "Claims ended, by reason: stored (the entry was PUT), released, expired.",
+            ["reason"],
+            registry=registry,
+        )
+        self.waits = Counter(
+            "ec_claim_waits",
+            "Requests that waited for claimed keys, by outcome: ended (every claim "
+            "ended), timeout, gone (the client left), refused (EC_CLAIM_MAX_WAITERS).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "ec_claim_wait_seconds",
+            "Time a request waited for claimed keys.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def watch(self, held: Callable[[], int], waiting: Callable[[], int]) -> None:
+        for name, text, value in (
+            ("ec_claims_held", "Live claims on this replica.", held),
+            ("ec_claim_waiters", "Requests waiting for claimed keys.", waiting),
+        ):
+            Gauge(name, text, registry=self.registry).set_function(value)
+
+
 class S3Metrics:
     """The S3 client's series. Pass the server's registry; with none, the metrics go
     to a private registry (useful in tests that build many clients)."""

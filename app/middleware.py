@@ -187,10 +187,18 @@ class EdgeMiddleware:
         access_log.handle(record)
 
 
+#: ``POST /ec/{model}/{dtype}/_{name}``: the namespace's batch operations.
+BATCH_ROUTES = ("exists", "claim", "release", "wait")
+
+
 def route_label(method: str, path: str) -> str:
     """A bounded label for a request path (never the key itself)."""
     if path.startswith("/ec/"):
-        return "exists" if method == "POST" and path.endswith("/_exists") else "entry"
+        if method == "POST":
+            for batch in BATCH_ROUTES:
+                if path.endswith(f"/_{batch}"):
+                    return batch
+        return "entry"
     if path in ("/healthz", "/readyz", "/metrics", "/stats", "/docs", "/openapi.json"):
         return path[1:]
     if path == "/namespaces" or path.startswith("/namespaces/"):

@@ -14,8 +14,19 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
-from app.entries import MAX_EXISTS_HASHES, ExistsRequest, ExistsResponse, PutResponse
+from app.claim_routes import (
+    MAX_BATCH_HASHES,
+    ClaimRequest,
+    ClaimResponse,
+    ExistsRequest,
+    ExistsResponse,
+    ReleaseRequest,
+    ReleaseResponse,
+    WaitRequest,
+)
+from app.entries import PutResponse
 
 ENTRY_DOC = (
     "`model` may contain `/` (plain or `%2F`); `dtype` is a torch dtype name; `hash` is "
@@ -130,33 +141,84 @@ def entry_operations() -> dict[str, Any]:
     }
 
 
-def exists_operations() -> dict[str, Any]:
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+
+
+def _batch_operation(
+    summary: str,
+    operation_id: str,
+    description: str,
+    request: type[BaseModel],
+    response: type[BaseModel],
+    answer: str,
+    *statuses: int,
+) -> dict[str, Any]:
+    """``POST /ec/{model}/{dtype}/_{name}``: up to ``MAX_BATCH_HASHES`` hashes of one
+    namespace in, one list per field out, in the order asked."""
     return {
         "post": {
-            "summary": "Batch existence check",
-            "description": f"Which of up to {MAX_EXISTS_HASHES} hashes are stored under "
-            "`model` and `dtype`, in the order asked; a 400 names the first invalid hash "
-            "by its index.",
-            "operationId": "exists_many",
+            "summary": summary,
+            "description": f"{description} Up to {MAX_BATCH_HASHES} hashes; a 400 names the "
+            "first invalid hash by its index.",
+            "operationId": operation_id,
             "parameters": _parameters(path_names=("model", "dtype")),
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/ExistsRequest"}}
-                },
-            },
+            "requestBody": {"required": True, "content": _json(request)},
             "responses": {
-                "200": {
-                    "description": "presence of each hash, in order",
-                    "content": {
-                        "application/json": {
-                            "schema": {"$ref": "#/components/schemas/ExistsResponse"}
-                        }
-                    },
-                },
-                **_errors(408, 413, 502, 503),
+                "200": {"description": answer, "content": _json(response)},
+                **_errors(408, 413, 502, *statuses),
             },
         }
+    }
+
+
+def batch_operations() -> dict[str, dict[str, Any]]:
+    return {
+        "_exists": _batch_operation(
+            "Batch existence check",
+            "exists_many",
+            "Which hashes are stored under `model` and `dtype`, in the order asked. With "
+            "`claims: true`, also which absent ones another client has claimed "
+            "(`computing`) and how long their leases have left.",
+            ExistsRequest,
+            ExistsResponse,
+            "presence of each hash, in order",
+            503,
+        ),
+        "_claim": _batch_operation(
+            "Claim missing keys (encode once per cluster)",
+            "claim_many",
+            "Claims each absent, unclaimed hash for `owner` for `lease_ms` (capped at "
+            "EC_CLAIM_MAX_LEASE): the owner should compute and PUT it, and others asking "
+            "learn it is `computing`. A PUT of the key, `_release` or the lease's end ends "
+            "the claim. Claims are advisory and held by this replica only. Needs the "
+            "write scope.",
+            ClaimRequest,
+            ClaimResponse,
+            "per hash: granted, the key's state, and the lease left when computing",
+            503,
+        ),
+        "_release": _batch_operation(
+            "Give up claims",
+            "release_many",
+            "Ends `owner`'s claims on the hashes (it will not compute them); waiters wake. "
+            "Needs the write scope.",
+            ReleaseRequest,
+            ReleaseResponse,
+            "per hash: whether the owner's claim ended",
+        ),
+        "_wait": _batch_operation(
+            "Wait until claimed keys land or their claims end",
+            "wait_many",
+            "Holds the request until none of the hashes is `computing` (each was stored, "
+            "or its claim was released or expired) or `timeout_ms` passes (capped at "
+            "EC_CLAIM_MAX_WAIT), then answers as `_exists` with `claims`. 503 when "
+            "EC_CLAIM_MAX_WAITERS requests already wait.",
+            WaitRequest,
+            ExistsResponse,
+            "presence and state of each hash, in order",
+            503,
+        ),
     }
 
 
@@ -170,12 +232,24 @@ def openapi_builder(app: FastAPI) -> Callable[[], dict[str, Any]]:
             )
             schema["paths"] = {
                 "/ec/{model}/{dtype}/{hash}": entry_operations(),
-                "/ec/{model}/{dtype}/_exists": exists_operations(),
+                **{
+                    f"/ec/{{model}}/{{dtype}}/{name}": operations
+                    for name, operations in batch_operations().items()
+                },
                 **schema["paths"],
             }
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
             schemas["Error"] = _ERROR_SCHEMA
-            for model in (PutResponse, ExistsRequest, ExistsResponse):
+            for model in (
+                PutResponse,
+                ExistsRequest,
+                ExistsResponse,
+                ClaimRequest,
+                ClaimResponse,
+                ReleaseRequest,
+                ReleaseResponse,
+                WaitRequest,
+            ):
                 schemas[model.__name__] = model.model_json_schema()
             app.openapi_schema = schema
         return app.openapi_schema

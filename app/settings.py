@@ -133,6 +133,16 @@ class Settings(BaseSettings):
     #: SIGTERM: stop accepting, then wait this long for in-flight requests.
     shutdown_timeout: int = Field(default=30, ge=0)
 
+    # claims on missing keys (app/claims.py: one engine encodes, the others wait)
+    #: The longest lease a claim may get, whatever its claimer asks (seconds).
+    claim_max_lease: float = Field(default=60.0, gt=0, le=3600)
+    #: Live claims at most; beyond, claims are not granted (askers compute).
+    claim_max_keys: int = Field(default=100_000, ge=1)
+    #: Requests waiting for claimed keys at most; beyond, ``_wait`` answers 503.
+    claim_max_waiters: int = Field(default=1024, ge=1)
+    #: The longest a ``_wait`` request may wait (seconds).
+    claim_max_wait: float = Field(default=60.0, gt=0, le=3600)
+
     log_format: LogFormat = LogFormat.TEXT
 
     @field_validator("s3_endpoint_url", "s3_bucket", mode="before")

@@ -41,7 +41,8 @@ SUBS: list[tuple[str, str]] = [
     (r"__aenter__", "__enter__"),
     (r"__aexit__", "__exit__"),
     (r"__aiter__", "__iter__"),
-    (r"Awaitable\[([A-Za-z_][A-Za-z0-9_]*)\]", r"\1"),
+    # Awaitable[X] -> X, for X with at most one level of brackets (list[T]).
+    (r"Awaitable\[((?:[^\[\]]|\[[^\[\]]*\])*)\]", r"\1"),
 ]
 COMPILED = [
     (re.compile(r"(?<![A-Za-z0-9_])" + p + ("" if p.endswith(" ") else r"(?![A-Za-z0-9_])")), r)

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 from ._async.client import AsyncClient
 from ._buffers import BufferPool
+from ._claims import KeyStatus
 from ._config import Limits, Retries, Timeouts
 from ._exceptions import (
     ConnectError,
@@ -44,6 +45,7 @@ __all__ = [
     "IntegrityError",
     "InvalidKeyError",
     "InvalidTensorError",
+    "KeyStatus",
     "Limits",
     "Retries",
     "ServerError",

@@ -15,6 +15,7 @@ import httpx
 import torch
 
 from ._buffers import BufferPool
+from ._claims import check_owner, default_owner
 from ._config import Limits, Retries, Timeouts
 from ._exceptions import UnavailableError
 from ._failures import RetryableStatus, error_for
@@ -71,6 +72,7 @@ class ClientBase:
         limits: Limits | None,
         raise_on_unavailable: bool,
         verify: bool,
+        owner: str | None,
     ) -> None:
         self.model = check_model(model)
         self.dtype = parse_dtype(dtype)
@@ -80,6 +82,7 @@ class ClientBase:
         self.limits = limits or Limits()
         self.raise_on_unavailable = raise_on_unavailable
         self.verify = verify
+        self.owner = default_owner() if owner is None else check_owner(owner)
         self.pool = BufferPool(self.limits.buffer_pool_bytes)
         self.results = BufferPool(self.limits.buffer_pool_bytes, pinned=False, steps=16)
 
@@ -102,7 +105,11 @@ class ClientBase:
         return f"/ec/{self.model}/{self.dtype}/{check_hash(hash)}"
 
     def _exists_path(self) -> str:
-        return f"/ec/{self.model}/{self.dtype}/_exists"
+        return self._batch_path("_exists")
+
+    def _batch_path(self, name: str) -> str:
+        """A namespace's batch operation: ``_exists``, ``_claim``, ``_release``, ``_wait``."""
+        return f"/ec/{self.model}/{self.dtype}/{name}"
 
     def _order(self, hash: str) -> list[str]:
         return self.router.order(self.model, self.dtype, hash)

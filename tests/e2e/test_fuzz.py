@@ -8,13 +8,31 @@ driven with hypothesis directly.)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from testkit.server import ServerProcess
 
 EXAMPLES_PER_OPERATION = 60
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Generated claims and waits may meet (a ``_wait`` on a hash a ``_claim`` took):
+    short caps keep each such wait under the client's timeout."""
+    root = tmp_path_factory.mktemp("fuzz")
+    with ServerProcess(
+        root / "data",
+        root / "server.log",
+        max_body_bytes="64MiB",
+        claim_max_lease="1",
+        claim_max_wait="1",
+    ) as srv:
+        yield srv
 
 
 def test_no_generated_request_makes_a_server_error(server: ServerProcess) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from .._answers import entry_info, json_body
 from .._backends import AsyncMapper
+from .._claims import KeyStatus, batch_body, released, statuses, unknown
 from .._client_base import ClientBase, Device, Progress, default_headers, device_of
 from .._config import Limits, Retries, Timeouts
 from .._cookies import DiscardingCookieJar
@@ -63,6 +64,8 @@ class AsyncClient(ClientBase):
         transport: an httpx transport to use instead of the SDK's own (which is
             http:// only; https:// URLs use httpx's default transport).
         headers: extra request headers.
+        owner: who this client is when it claims keys (``claim_many``): 1-128
+            printable ASCII characters; default: host, process id and a random part.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class AsyncClient(ClientBase):
         verify: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
+        owner: str | None = None,
     ) -> None:
         super().__init__(
             url,
@@ -89,6 +93,7 @@ class AsyncClient(ClientBase):
             limits=limits,
             raise_on_unavailable=raise_on_unavailable,
             verify=verify,
+            owner=owner,
         )
         if transport is None and self.own_transport:
             transport = AsyncTransport(
@@ -206,38 +211,67 @@ class AsyncClient(ClientBase):
     async def exists_many(self, hashes: Iterable[str]) -> list[bool]:
         """Existence of many hashes, in order: one ``POST .../_exists`` per replica and
         per 1000 hashes, the replicas asked at once."""
-        hashes = check_hashes(hashes)
-        if len(self.router.urls) == 1:  # no replica order to follow: batches in order
-            url, size = self.router.urls[0], EXISTS_BATCH
-            slices = [hashes[start : start + size] for start in range(0, len(hashes), size)]
+        return await self._batched(check_hashes(hashes), self._exists_batch)
 
-            async def ask_one(batch: list[str]) -> list[bool]:
-                return await self._exists_batch([url], batch)
+    # Claims: one engine computes a new entry, the others wait (docs/http-api.md, Claims).
+    # Each key's claim lives on the replica its rendezvous hash picks, like its entry.
 
-            found = await self._mapper.map(ask_one, slices)
-            return [value for answer in found for value in answer]
-        orders = self.router.orders(self.model, self.dtype, hashes)
-        present = [False] * len(hashes)
-        pending, dead = list(range(len(hashes))), set[str]()
+    async def status_many(self, hashes: Iterable[str]) -> list[KeyStatus]:
+        """Each hash's :class:`KeyStatus`, in order: ``present``, ``absent``, or
+        ``computing`` (another client claimed it); batched as ``exists_many``."""
 
-        async def ask(item: tuple[str, list[int]]) -> list[bool] | ConnectError:
-            url, batch = item
-            try:
-                return await self._exists_batch([url], [hashes[i] for i in batch])
-            except ConnectError as exc:
-                return exc
+        async def ask(order: list[str], batch: list[str]) -> list[KeyStatus]:
+            document = {"hashes": batch, "claims": True}
+            return await self._batch_op(order, "_exists", document, batch, statuses, unknown)
 
-        while pending:
-            batches, pending = exists_batches(orders, pending, dead), []
-            answers = await self._mapper.map(ask, batches)
-            for (url, batch), answer in zip(batches, answers, strict=True):
-                if isinstance(answer, ConnectError):  # each key moves on to its next replica
-                    dead.add(url)
-                    pending += batch
-                    continue
-                for i, value in zip(batch, answer, strict=True):
-                    present[i] = value
-        return present
+        return await self._batched(check_hashes(hashes), ask)
+
+    async def claim_many(self, hashes: Iterable[str], *, lease: float) -> list[KeyStatus]:
+        """Claim each absent, unclaimed hash for this client (``owner``) for ``lease``
+        seconds, the time it expects to compute and ``put`` the entry (the server caps
+        it). Where ``granted`` is true, compute and ``put`` it (or ``release_many``);
+        elsewhere the status says it is ``present`` or ``computing`` by another client.
+        Claiming again renews the lease. A 503 (unless ``raise_on_unavailable``) answers
+        ``absent``, not granted: compute it."""
+        lease_ms = max(1, round(lease * 1000))
+
+        async def ask(order: list[str], batch: list[str]) -> list[KeyStatus]:
+            document = {"hashes": batch, "owner": self.owner, "lease_ms": lease_ms}
+            return await self._batch_op(order, "_claim", document, batch, statuses, unknown)
+
+        return await self._batched(check_hashes(hashes), ask)
+
+    async def release_many(self, hashes: Iterable[str]) -> list[bool]:
+        """Give up this client's claims (it will not compute these after all); whoever
+        waits for them wakes. True where a claim of this client ended."""
+
+        async def ask(order: list[str], batch: list[str]) -> list[bool]:
+            document = {"hashes": batch, "owner": self.owner}
+            return await self._batch_op(
+                order, "_release", document, batch, released, lambda b: [False] * len(b)
+            )
+
+        return await self._batched(check_hashes(hashes), ask)
+
+    async def wait_many(self, hashes: Iterable[str], *, timeout: float) -> list[KeyStatus]:
+        """Wait, at most ``timeout`` seconds, until no hash is ``computing`` (each was
+        stored, or its claim was released or expired); then each hash's status. One
+        held request per replica, no polling. A 503 (too many waiters there, unless
+        ``raise_on_unavailable``) answers ``absent``: compute it."""
+        timeout_ms = max(0, round(timeout * 1000))
+        held = self._timeout()
+        if held.read is not None:  # the answer comes when the wait ends
+            held = httpx.Timeout(
+                connect=held.connect, read=held.read + timeout, write=held.write, pool=held.pool
+            )
+
+        async def ask(order: list[str], batch: list[str]) -> list[KeyStatus]:
+            document = {"hashes": batch, "timeout_ms": timeout_ms}
+            return await self._batch_op(
+                order, "_wait", document, batch, statuses, unknown, timeout=held
+            )
+
+        return await self._batched(check_hashes(hashes), ask)
 
     async def get_many(
         self, hashes: Iterable[str], *, device: Device = None
@@ -328,10 +362,11 @@ class AsyncClient(ClientBase):
         path: str,
         body: httpx.AsyncByteStream | None = None,
         headers: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
         """``method url+path`` with the client's headers and timeouts, streamed;
         ``body`` and its ``headers`` (its Content-Length among them), if given, are
-        sent with it.
+        sent with it; ``timeout`` replaces the client's timeouts for this request.
 
         With the SDK's transport the request goes to it directly: building an
         ``httpx.Request`` (URL parsing, header merging) and ``httpx.Client.send``
@@ -340,7 +375,9 @@ class AsyncClient(ClientBase):
         exceptions; no ``response.request``."""
         route = self._routes.get(url)
         if route is None or self._transport is None or self._http.is_closed:
-            request = self._http.build_request(method, url + path, headers=headers)
+            request = self._http.build_request(
+                method, url + path, headers=headers, timeout=timeout or httpx.USE_CLIENT_DEFAULT
+            )
             if body is not None:
                 request.stream = body
             return await self._http.send(request, stream=True)
@@ -348,9 +385,79 @@ class AsyncClient(ClientBase):
         if headers:
             fields = [*fields, *((k.encode(), v.encode()) for k, v in headers.items())]
         out = Outgoing(method.encode(), route.target(path), fields, body, None)
-        response = await self._transport.send(route.key, out, self._timeouts)
+        timeouts = self._timeouts if timeout is None else timeout.as_dict()
+        response = await self._transport.send(route.key, out, timeouts)
         log_response(method, url + path, response)
         return response
+
+    async def _batched(
+        self, hashes: list[str], ask: Callable[[list[str], list[str]], Awaitable[list[T]]]
+    ) -> list[T]:
+        """``ask(order, batch)`` for batches of at most 1000 hashes, each sent to the
+        replica its keys' rendezvous order picks (the next one when it refuses
+        connections), the replicas asked at once; the answers in the order of
+        ``hashes``."""
+        if len(self.router.urls) == 1:  # no replica order to follow: batches in order
+            url, size = self.router.urls[0], EXISTS_BATCH
+            slices = [hashes[start : start + size] for start in range(0, len(hashes), size)]
+
+            async def ask_one(batch: list[str]) -> list[T]:
+                return await ask([url], batch)
+
+            found = await self._mapper.map(ask_one, slices)
+            return [value for answer in found for value in answer]
+        orders = self.router.orders(self.model, self.dtype, hashes)
+        answered: dict[int, T] = {}
+        pending, dead = list(range(len(hashes))), set[str]()
+
+        async def ask_replica(item: tuple[str, list[int]]) -> list[T] | ConnectError:
+            url, batch = item
+            try:
+                return await ask([url], [hashes[i] for i in batch])
+            except ConnectError as exc:
+                return exc
+
+        while pending:
+            batches, pending = exists_batches(orders, pending, dead), []
+            answers = await self._mapper.map(ask_replica, batches)
+            for (url, batch), answer in zip(batches, answers, strict=True):
+                if isinstance(answer, ConnectError):  # each key moves on to its next replica
+                    dead.add(url)
+                    pending += batch
+                    continue
+                answered.update(zip(batch, answer, strict=True))
+        return [answered[i] for i in range(len(hashes))]
+
+    async def _batch_op(
+        self,
+        order: list[str],
+        name: str,
+        document: dict[str, Any],
+        batch: list[str],
+        read: Callable[[Any, int, str], list[T]],
+        unavailable: Callable[[list[str]], list[T]],
+        *,
+        timeout: httpx.Timeout | None = None,
+    ) -> list[T]:
+        """``POST .../{name}`` with a JSON ``document`` about ``batch``: ``read`` of the
+        answer, or ``unavailable(batch)`` for a 503 that counts as a miss."""
+        path = self._batch_path(name)
+        request_body = batch_body(document)
+
+        async def op(url: str) -> list[T]:
+            response = await self._send("POST", url, path, *request_body, timeout=timeout)
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+            if response.status_code == 200:
+                return read(json_body(content, url), len(batch), url)
+            error = self._error_from(response, content, url)
+            if self._is_miss(error):
+                return unavailable(batch)
+            raise error
+
+        return await self._call(order, op)
 
     async def _exists_batch(self, order: list[str], batch: list[str]) -> list[bool]:
         path = self._exists_path()
