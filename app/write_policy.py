@@ -232,11 +232,8 @@ class WriteThroughPolicy(_Defaults):
         header: TensorHeader,
         stream: WriteThrough | None,
     ) -> bool:
-        if stream is None and self.disk.contains(key):
-            # Here already, so in S3 (or queued for it): the disk decides. Should the
-            # entry here go before the batch, this body becomes the entry, and S3 may
-            # not have it: durable.
-            return await commit_durably(pending, crc, header)
+        if self.disk.contains(key):
+            return False  # here already, so in S3: that is the entry
         async with self._keys.hold(key):
             if stream is not None and await stream.present():
                 return False  # another replica wrote it first: theirs is the entry
@@ -305,12 +302,16 @@ class WriteBackPolicy(_Defaults):
         header: TensorHeader,
         stream: WriteThrough | None,
     ) -> bool:
-        if self.disk.contains(key):
-            return await commit_durably(pending, crc, header)  # the disk decides
         scheduler = self.scheduler
-        # A key the queue holds already (a PUT committing, a delete owed, which must go
-        # first) shares its record, over the bounds if need be.
-        if scheduler.contains(key) or scheduler.has_room(pending.written):
+        # The disk decides, and a body that becomes the entry is journaled with it: also
+        # a PUT of a key on disk already, whose entry may go before the commit (a lost
+        # upload dropping it). A key on disk or in the queue (a PUT committing, a delete
+        # owed, which must go first) shares its record, over the bounds if need be.
+        if (
+            self.disk.contains(key)
+            or scheduler.contains(key)
+            or scheduler.has_room(pending.written)
+        ):
             return await self._journal_and_commit(key, pending, crc, header)
         scheduler.metrics.full.inc()
         return await self._through.commit(key, pending, crc, header, None)
@@ -320,6 +321,7 @@ class WriteBackPolicy(_Defaults):
     ) -> bool:
         """Journal the upload, then commit to disk (pinned until uploaded)."""
         item = self.scheduler.reserve(key, pending.written, crc)
+        created = False
         try:
             # Every PUT stages the (identical) record itself: whichever commits first,
             # its record is durable before its entry is visible (same group commit).
@@ -327,9 +329,10 @@ class WriteBackPolicy(_Defaults):
             # record staged is handed to the commit even if the PUT goes away.
             with anyio.CancelScope(shield=True):
                 record = await anyio.to_thread.run_sync(self.scheduler.stage_record, item)
-            return await commit_durably(pending, crc, header, (record,))
+            created = await commit_durably(pending, crc, header, (record,))
         finally:
-            self.scheduler.release(item, on_disk=self.disk.contains(key))
+            self.scheduler.release(item, created=created)
+        return created
 
     async def upload(self, item: PendingUpload) -> bool:
         """The scheduler's upload: disk entry (verified) -> S3. False when S3 held

@@ -210,15 +210,15 @@ class UploadScheduler:
         if self._wake is not None:
             self._wake.set()
 
-    def release(self, item: PendingUpload, *, on_disk: bool) -> None:
-        """A PUT that reserved ``item`` is done. With the entry on disk (committed by this
-        PUT or by anyone else) the upload becomes due — if S3 already has the object the
-        worker finds out with one HEAD. Without it, the record goes once no other PUT
-        holds it and it owes nothing else."""
+    def release(self, item: PendingUpload, *, created: bool) -> None:
+        """A PUT that reserved ``item`` is done. ``created``: its body became the entry
+        (committed to disk), whose upload becomes due. Otherwise (it failed, or the key's
+        entry was another's) the record goes once no other PUT holds it and it owes
+        nothing else."""
         item.writers -= 1
         if self._items.get(item.key.digest) is not item:
             return
-        if on_disk:
+        if created:
             item.upload = True
             self.activate(item)
         self._pulse()

@@ -86,7 +86,7 @@ def put_pending(queue: UploadScheduler, disk: DiskTier, key: EntryKey, data: byt
     item = queue.reserve(key, len(data), 0)
     queue.journal.write(item)
     commit(disk, key, data)
-    queue.release(item, on_disk=True)
+    queue.release(item, created=True)
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ async def test_bounds_and_a_delete_with_nothing_pending(tmp_path: Path, disk: Di
     item = queue.reserve(KEY, 100, 0)
     assert not queue.has_room(1)  # one entry at most
     queue.journal.write(item)
-    queue.release(item, on_disk=False)  # the PUT failed: nothing owed
+    queue.release(item, created=False)  # the PUT failed: nothing owed
     assert len(queue) == 0 and queue.pending_bytes == 0 and disk.stats().pinned == 0
     assert list((tmp_path / "upload-queue").iterdir()) == []
 
@@ -328,17 +328,17 @@ async def test_concurrent_puts_of_one_key_share_the_record(tmp_path: Path, disk:
     # The second PUT commits first; the first then finds the key taken. The record
     # must survive both, because the committed entry still needs its upload.
     commit(disk, KEY, body((4, 4)))
-    queue.release(second, on_disk=True)
-    queue.release(first, on_disk=True)
+    queue.release(second, created=True)
+    queue.release(first, created=True)
     assert len(queue) == 1 and first.next_attempt == 0.0
 
     # Two PUTs that both fail: the record goes with the last of them.
     other = EntryKey("org/model", "float32", "other")
     a = queue.reserve(other, 50, 0)
     b = queue.reserve(other, 50, 0)
-    queue.release(a, on_disk=False)
+    queue.release(a, created=False)
     assert len(queue) == 2
-    queue.release(b, on_disk=False)
+    queue.release(b, created=False)
     assert len(queue) == 1 and disk.stats().pinned == 1
 
 
