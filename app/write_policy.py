@@ -276,7 +276,6 @@ class WriteBackPolicy(_Defaults):
     def __init__(
         self, settings: Settings, disk: DiskTier, s3: Backend, registry: CollectorRegistry
     ) -> None:
-        self.settings = settings
         self.disk = disk
         self.s3 = s3
         self.scheduler = UploadScheduler(

@@ -187,7 +187,7 @@ class UploadScheduler:
         whatever happened."""
         item = self._items.get(key.digest)
         if item is None:
-            # Not due until released with the entry on disk.
+            # Not due until released by a PUT that created the entry.
             item = PendingUpload(key, size, crc32c, time.time(), next_attempt=math.inf)
             item.upload = False
             self._add(item)
