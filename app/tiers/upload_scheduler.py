@@ -13,8 +13,9 @@ read-through. The upload and the delete of one key never run at the same time. E
 pending key is pinned in the disk tier, so an entry is never evicted before it is
 uploaded.
 
-What an upload and a delete are is the write-back policy's (``app.writes.write_back``),
-which hands them in as functions: the scheduler knows keys, records and timing only.
+What an upload and a delete are is the write-back policy's
+(``app.write_policy.WriteBackPolicy``), which hands them in as functions: the scheduler
+knows keys, records and timing only.
 It is bounded by entries and bytes; when it is full the policy does not drop anything:
 it falls back to write-through for that PUT (which answers 503 if S3 is down).
 Failures are retried with exponential backoff and jitter; one success resets the
