@@ -6,6 +6,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # The server's runtime dependency tree, exact versions with hashes (`make lock`).
 LOCK   := requirements.lock
+# The build backend that makes the server's wheel in the image, pinned the same way.
+BUILD_LOCK := deploy/docker/build-backend.lock
 # torch 2.13.0 is the CPU build that lies on the build machines' disk; any other torch
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
 # Elsewhere, TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU build.
@@ -56,7 +58,10 @@ sdk: $(VENV)/.sdk
 lock: $(VENV)/.test
 	$(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
 	  --generate-hashes --upgrade --custom-compile-command "make lock" --quiet -o $(LOCK)
-	@echo "requirements.lock refreshed: see docs/deploy.md, 'Upgrading dependencies'"
+	$(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
+	  | $(VENV)/bin/uv pip compile - --universal --python-version 3.11 --generate-hashes \
+	  --upgrade --custom-compile-command "make lock" --quiet -o $(BUILD_LOCK)
+	@echo "requirements.lock and $(BUILD_LOCK) refreshed: see docs/deploy.md, 'Upgrading dependencies'"
 
 ## test: create the environments, lint, type-check and run the whole test suite
 test: system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests

@@ -41,7 +41,7 @@ import anyio.to_thread
 from app.errors import ECError
 from app.keys import DTYPES, EntryKey
 from app.retries import backoff
-from app.tiers.base import Backend
+from app.tiers.base import BackendAdmin, RemoteTier
 from app.tiers.disk import DiskTier
 from app.tiers.disk.file_sync import write_durably
 from app.tiers.read_through import ReadThrough
@@ -96,7 +96,7 @@ class Purges:
         self,
         data_dir: Path,
         disk: DiskTier,
-        s3: Backend | None,
+        s3: RemoteTier | None,
         read_through: ReadThrough | None,
         writes: WritePolicy,
     ) -> None:
@@ -233,7 +233,7 @@ class Purges:
         job.disk_bytes += nbytes
         job.updated_at = time.time()
 
-    async def _purge_s3_prefix(self, s3: Backend, job: PurgeJob, dtype: str) -> None:
+    async def _purge_s3_prefix(self, s3: BackendAdmin, job: PurgeJob, dtype: str) -> None:
         prefix = s3.namespace_prefix(job.model, dtype)
         while True:
             objects, marker = await s3.list_page(
@@ -300,7 +300,7 @@ async def disk_page(
 
 
 async def s3_page(
-    s3: Backend, model: str, dtype: str, after: str | None, limit: int
+    s3: RemoteTier, model: str, dtype: str, after: str | None, limit: int
 ) -> tuple[list[dict[str, Any]], str | None]:
     """A page of the namespace's objects in S3; shapes from each object's metadata."""
     prefix = s3.namespace_prefix(model, dtype)

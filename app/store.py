@@ -27,7 +27,7 @@ from app.metrics import Metrics
 from app.namespaces import PurgeJob, Purges, disk_page, s3_page
 from app.safetensors_format import BodyValidator
 from app.settings import Settings
-from app.tiers.base import Backend, EntryBody, EntryInfo
+from app.tiers.base import EntryBody, EntryInfo, RemoteTier
 from app.tiers.disk import DiskStats, DiskTier, NamespaceUsage
 from app.tiers.overlapped import OverlappedWrite
 from app.tiers.read_through import ReadThrough
@@ -59,7 +59,7 @@ class Store:
         settings: Settings,
         disk: DiskTier,
         metrics: Metrics,
-        s3: Backend | None,
+        s3: RemoteTier | None,
         writes: WritePolicy,
     ) -> None:
         self.settings = settings

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
+from app import __version__
 from testkit.entries import body, crc_hex
 from testkit.server import ServerProcess
 from tests.e2e import rawhttp
@@ -337,7 +338,7 @@ def test_batch_exists(client: httpx.Client) -> None:
 
 
 def test_health_readiness_docs_and_stats(client: httpx.Client) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "version": __version__}
     assert client.head("/healthz").status_code == 200  # curl -I works on probes too
     assert client.head("/readyz").status_code == 200
     ready = client.get("/readyz")

@@ -136,6 +136,17 @@ def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S
     return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")
 
 
+def outage_reason(exc: BaseException) -> str:
+    """Why S3 is unavailable, in words true of every call the circuit breaker refuses
+    while open: the kind of failure, never the URL or key of the call that met it."""
+    if isinstance(exc, bce.ClientError):
+        code, status, _ = client_error_info(exc)
+        return f"it answered {code or status}"
+    if isinstance(exc, S3Error):  # mapped already: its code, if it answered
+        return f"it answered {exc.code or exc.status}" if exc.code or exc.status else "unreachable"
+    return f"unreachable ({type(exc).__name__})"
+
+
 #: botocore's "standard" retry mode: full jitter over the backoff from these bases.
 BASE_BACKOFF = 0.05
 THROTTLING_BACKOFF = 1.0

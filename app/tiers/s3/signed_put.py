@@ -32,10 +32,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from botocore.awsrequest import AWSRequest
-from botocore.httpsession import URLLib3Session
-
 from app.retries import retried
+from app.tiers.s3.botocore_adapter import AWSRequest, URLLib3Session
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.signing import Signer
 
