@@ -23,11 +23,12 @@ import math
 import threading
 import weakref
 from types import TracebackType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ._tensors import tensor_memoryview
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BufferPool", "PooledBuffer", "typed_view"]
 
@@ -123,6 +124,8 @@ class BufferPool:
     def pinned(self) -> bool:
         """Whether new buffers are page-locked (default: when CUDA is available)."""
         if self._pinned is None:
+            import torch
+
             self._pinned = bool(torch.cuda.is_available())
         return self._pinned
 
@@ -137,6 +140,8 @@ class BufferPool:
                 self._idle_bytes -= capacity
                 self._reused += 1
         if buf is None:
+            import torch
+
             tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
             buf = PooledBuffer(self, tensor)
             with self._lock:
@@ -155,6 +160,8 @@ class BufferPool:
         tensor alone) alive as long as the storage lives; a finalizer on that exporter
         returns the buffer.
         """
+        import torch
+
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < _MIN_CAPACITY:  # the allocator's heap reuses small blocks well
             return torch.empty(shape, dtype=dtype)
@@ -194,5 +201,7 @@ def typed_view(
 ) -> torch.Tensor:
     """``raw[:nbytes]`` (uint8) seen as ``dtype`` of ``shape``, without copying."""
     if math.prod(shape) == 0:
+        import torch
+
         return torch.empty(shape, dtype=dtype)
     return raw[:nbytes].view(dtype).view(shape)

@@ -188,7 +188,7 @@ def server_anonymous_values() -> set[str]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "AnonymousAccess":
             return {
-                stmt.value.value
+                str(stmt.value.value)
                 for stmt in node.body
                 if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant)
             }

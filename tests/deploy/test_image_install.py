@@ -69,7 +69,9 @@ def _image_env(runtime: list[tuple[str, str]]) -> dict[str, str]:
     env: dict[str, str] = {}
     for instr, arg in runtime:
         if instr == "ENV":
-            env.update(part.split("=", 1) for part in shlex.split(arg))
+            for part in shlex.split(arg):
+                name, _, value = part.partition("=")
+                env[name] = value
     return env
 
 

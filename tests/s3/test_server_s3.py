@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import re
 import threading
-import time
 import uuid
 
 import httpx
@@ -390,7 +389,8 @@ def test_write_back_drains_at_shutdown(
         30,
     )
     s3_proxy.down = False
-    time.sleep(0.2)  # past the S3 cool-down, or the drain's attempt fails fast
+    # S3 reachable again as the server sees it, or the drain's attempt fails fast.
+    wait_for(lambda: a.get("/readyz").status_code == 200, "the server to reach S3 again")
     srv.stop()  # SIGTERM: the pending upload gets EC_WRITEBACK_DRAIN_TIMEOUT to finish
     assert s3_endpoint.list_keys(s3_prefix + "/") == [
         f"{s3_prefix}/{MODEL}/float16/drain.safetensors"

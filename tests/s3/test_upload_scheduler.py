@@ -162,7 +162,7 @@ async def test_entry_gone_is_dropped_not_retried(tmp_path: Path, disk: DiskTier)
     try:
         put_pending(queue, disk, KEY, body((4, 4)))
         assert await queue.wait_idle(5)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # twice retry_max: a retry would have come by now
     finally:
         await queue.stop()
     assert calls == 1 and disk.stats().pinned == 0

@@ -281,7 +281,8 @@ def test_build_connector_meta_carries_the_loads(
         shipped.ec_connector_metadata.scheduled_encoder_inputs is shipped.scheduled_encoder_inputs
     )
     # The state is reset for the next step.
-    assert sched.build_connector_meta(SchedulerOutput.make_empty()).loads == []
+    empty = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert isinstance(empty, ECCacheConnectorMetadata) and empty.loads == []
 
 
 # --------------------------------------------------------------------- worker
@@ -460,6 +461,7 @@ def test_wrong_shape_is_not_loaded(
     extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     sched, worker = connector(SCHED, extra), connector(WORKER, extra)
     out, _ = step(sched, [make_request([h], rows=16, req_id="r-shape")])
+    assert out.ec_connector_metadata is not None
     worker.bind_connector_metadata(out.ec_connector_metadata)
     cache: dict[str, torch.Tensor] = {}
     worker.start_load_caches(cache)

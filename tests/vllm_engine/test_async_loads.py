@@ -36,7 +36,11 @@ from tests.vllm_engine.conftest import EngineRun, request_counts
 
 # Both connector runs: no uploads (the cache is filled once), answers to _exists
 # held EXISTS_HOLD_S must not time out.
-SETTINGS = {"save": False, "load_timeout_s": LOAD_TIMEOUT_S, "exists_timeout_s": 0.5}
+SETTINGS: dict[str, Any] = {
+    "save": False,
+    "load_timeout_s": LOAD_TIMEOUT_S,
+    "exists_timeout_s": 0.5,
+}
 
 
 @pytest.fixture(scope="module")
