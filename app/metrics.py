@@ -226,7 +226,8 @@ class S3Metrics:
         self.registry = reg
         self.requests = Counter(
             "ec_s3_requests_total",
-            "S3 requests by operation and outcome (ok, not_found, error, unavailable)",
+            "S3 requests by operation and outcome (ok, not_found, exists: a conditional write "
+            "found the key taken, error, unavailable)",
             ["operation", "outcome"],
             registry=reg,
         )
@@ -329,7 +330,8 @@ class UploadQueueMetrics:
         self.oldest.set_function(oldest_age)
         self.uploads = Counter(
             "ec_s3_uploads",
-            "Write-back upload attempts by outcome (ok, retry, dropped).",
+            "Write-back upload attempts by outcome (ok, retry, dropped; lost: S3 held another "
+            "body, which replaced this replica's copy).",
             ["outcome"],
             registry=registry,
         )

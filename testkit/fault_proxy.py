@@ -18,6 +18,9 @@ each of which can be changed while it runs:
 ``put_gate``
     while it is clear, PUTs wait for it once their body is read (an upload held in
     flight; ``puts_held`` counts those waiting).
+``delete_gate``
+    while it is clear, DELETEs wait for it before they are forwarded (an S3 delete
+    held in flight; ``deletes_held`` counts those waiting).
 ``mode``
     what happens to an ec-cache server's entry GETs (``GET /ec/...``, not ``_exists``):
 
@@ -135,6 +138,9 @@ class FaultProxy:
         self.put_gate = threading.Event()
         self.put_gate.set()
         self.puts_held = 0
+        self.delete_gate = threading.Event()
+        self.delete_gate.set()
+        self.deletes_held = 0
         self.span_faults: dict[int, list[str]] = {}
         self.span_gate = threading.Event()
         self.span_gate.set()
@@ -322,6 +328,12 @@ class FaultProxy:
             return False
         if request.method == "PUT" and (not self.put_gate.is_set() or self.failures["PUT"]):
             return self._held_put(conn, reader, request)
+        if request.method == "DELETE" and not self.delete_gate.is_set():
+            with self._lock:
+                self.deletes_held += 1
+            self.delete_gate.wait()
+            with self._lock:
+                self.deletes_held -= 1
         if self._take_failure(request.method):
             return self._answer_s3_error(conn, reader, request)
         span_fault = self._take_span_fault(request)

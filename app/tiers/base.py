@@ -109,11 +109,12 @@ class RemotePut(Protocol):
     ``feed`` hands on received chunks (and waits while the backend lags too far
     behind); the backend holds the last bytes back until ``finish``, which the caller
     calls only once it verified the whole body, and which returns once the entry is
-    stored; ``abort`` withdraws the body, leaving nothing. One of the two always."""
+    stored (True), or refused because the key has an entry already (False: first
+    writer wins); ``abort`` withdraws the body, leaving nothing. One of the two always."""
 
     async def feed(self, chunks: Sequence[bytes | memoryview]) -> None: ...
 
-    async def finish(self) -> None: ...
+    async def finish(self) -> bool: ...
 
     async def abort(self) -> None: ...
 
@@ -140,8 +141,9 @@ class Backend(Protocol):
 
     async def put_file(
         self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
-    ) -> None:
-        """Store a verified local file as the entry; nothing is visible on failure."""
+    ) -> bool:
+        """Store a verified local file as the entry unless the key has one already
+        (False: first writer wins); nothing is visible on failure."""
         ...
 
     def begin_put(

@@ -99,8 +99,11 @@ class MemoryBackend:
 
     async def put_file(
         self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
-    ) -> None:
+    ) -> bool:
+        if key in self.entries:
+            return False  # first writer wins, as S3's conditional write
         self.entries[key] = (Path(path).read_bytes(), crc32c)
+        return True
 
     def begin_put(
         self, key: EntryKey, size: int, crc32c: int, header: TensorHeader

@@ -74,7 +74,10 @@ class ObjectPut(Protocol):
         content_type: str,
         checksum_crc32c: str,
         metadata: Mapping[str, str],
-    ) -> None: ...
+        if_absent: bool = False,
+    ) -> None:
+        """``if_absent``: only if the key has no object (``If-None-Match: *``)."""
+        ...
 
 
 @dataclass
@@ -185,6 +188,7 @@ class Boto3Put:
         content_type: str,
         checksum_crc32c: str,
         metadata: Mapping[str, str],
+        if_absent: bool = False,
     ) -> None:
         kwargs: dict[str, Any] = {
             "Bucket": self._bucket,
@@ -195,4 +199,6 @@ class Boto3Put:
             "ChecksumCRC32C": checksum_crc32c,
             "Metadata": dict(metadata),
         }
+        if if_absent:
+            kwargs["IfNoneMatch"] = "*"
         self._client.put_object(**kwargs)

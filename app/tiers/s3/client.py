@@ -37,6 +37,7 @@ from app.tiers.s3.errors import (
     S3Error,
     S3Unavailable,
     is_not_found,
+    is_precondition_failed,
     map_error,
     outage_reason,
 )
@@ -205,6 +206,10 @@ class S3Client:
             self.breaker.mark_available()
             return
         mapped = map_error(exc, operation, self.breaker.cooldown)
+        if is_precondition_failed(exc):  # a conditional write found the key taken
+            self.metrics.requests.labels(operation, "exists").inc()
+            self.breaker.mark_available()
+            raise mapped from exc
         if isinstance(mapped, S3Unavailable):
             self.metrics.requests.labels(operation, "unavailable").inc()
             self.breaker.mark_unavailable(outage_reason(exc))
