@@ -35,16 +35,16 @@ __all__ = ["BufferPool", "PooledBuffer", "typed_view"]
 _MIN_CAPACITY = 1 << 20
 
 
-def _capacity_for(nbytes: int, steps: int) -> int:
+def _capacity_for(nbytes: int, steps: int, minimum: int = _MIN_CAPACITY) -> int:
     """Size class: ``nbytes`` rounded up to one of ``steps`` (a power of two) sizes
-    between consecutive powers of two, at least 1 MiB. One step wastes up to half of a
-    buffer and reuses it for any size up to it; 16 steps waste at most 1/16.
+    between consecutive powers of two, at least ``minimum``. One step wastes up to half
+    of a buffer and reuses it for any size up to it; 16 steps waste at most 1/16.
 
     >>> _capacity_for(4_718_592, 1), _capacity_for(4_718_592, 16), _capacity_for(10, 16)
     (8388608, 4718592, 1048576)
     """
-    if nbytes <= _MIN_CAPACITY:
-        return _MIN_CAPACITY
+    if nbytes <= minimum:
+        return minimum
     top = 1 << (nbytes - 1).bit_length()
     step = max(1, top // (2 * steps))
     return -(-nbytes // step) * step
@@ -96,7 +96,9 @@ class PooledBuffer:
 
 class BufferPool:
     """Thread-safe pool of host buffers, bounded by ``max_bytes`` kept idle; ``steps``
-    size classes per power of two (see :func:`_capacity_for`).
+    size classes per power of two, none below ``min_capacity`` (see
+    :func:`_capacity_for`). A request reuses an idle buffer of its class, else the
+    smallest idle one up to twice as large.
 
     >>> pool = BufferPool(max_bytes=8 << 20, pinned=False)
     >>> with pool.acquire(3_000_000) as buf:
@@ -107,16 +109,24 @@ class BufferPool:
     """
 
     def __init__(
-        self, max_bytes: int = 512 << 20, *, pinned: bool | None = None, steps: int = 1
+        self,
+        max_bytes: int = 512 << 20,
+        *,
+        pinned: bool | None = None,
+        steps: int = 1,
+        min_capacity: int = _MIN_CAPACITY,
     ) -> None:
         self.max_bytes = max_bytes
         self._pinned = pinned
         self._steps = steps
+        self._min_capacity = min_capacity
         # Reentrant: a tensor's memory can come back from a garbage collection that
         # runs while this thread holds the lock.
         self._lock = threading.RLock()
         self._idle: dict[int, list[PooledBuffer]] = {}
         self._idle_bytes = 0
+        self._leased_bytes = 0
+        self._peak_bytes = 0  # most leased + idle at once
         self._allocated = 0
         self._reused = 0
 
@@ -129,25 +139,44 @@ class BufferPool:
             self._pinned = bool(torch.cuda.is_available())
         return self._pinned
 
+    def capacity_for(self, nbytes: int) -> int:
+        """The capacity of a new buffer for ``nbytes`` (a reused one may be larger)."""
+        return _capacity_for(nbytes, self._steps, self._min_capacity)
+
     def acquire(self, nbytes: int) -> PooledBuffer:
         """Lease a buffer of at least ``nbytes`` (reused when one is idle)."""
-        capacity = _capacity_for(nbytes, self._steps)
-        buf: PooledBuffer | None = None
+        buf = self.reuse(nbytes)
+        if buf is not None:
+            return buf
+        capacity = self.capacity_for(nbytes)
         with self._lock:
-            idle = self._idle.get(capacity)
-            if idle:
-                buf = idle.pop()
-                self._idle_bytes -= capacity
-                self._reused += 1
-        if buf is None:
+            self._leased_bytes += capacity
+            self._peak_bytes = max(self._peak_bytes, self._leased_bytes + self._idle_bytes)
+        try:
             import torch
 
             tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
-            buf = PooledBuffer(self, tensor)
+        except BaseException:
             with self._lock:
-                self._allocated += 1
-        else:
-            buf._pool = self
+                self._leased_bytes -= capacity
+            raise
+        with self._lock:
+            self._allocated += 1
+        return PooledBuffer(self, tensor)
+
+    def reuse(self, nbytes: int, *, up_to: float = 2.0) -> PooledBuffer | None:
+        """Lease an idle buffer of at least ``nbytes`` (of its size class, else the
+        smallest up to ``up_to`` times as large), or ``None``: none is idle."""
+        capacity = self.capacity_for(nbytes)
+        with self._lock:
+            fits = [c for c in self._idle if capacity <= c <= up_to * capacity and self._idle[c]]
+            if not fits:
+                return None
+            buf = self._idle[min(fits)].pop()
+            self._idle_bytes -= buf.capacity
+            self._leased_bytes += buf.capacity
+            self._reused += 1
+        buf._pool = self
         buf.wait()
         return buf
 
@@ -163,7 +192,7 @@ class BufferPool:
         import torch
 
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < _MIN_CAPACITY:  # the allocator's heap reuses small blocks well
+        if nbytes < self._min_capacity:  # the allocator's heap reuses small blocks well
             return torch.empty(shape, dtype=dtype)
         buf = self.acquire(nbytes)
         exporter = (ctypes.c_ubyte * nbytes).from_address(buf.tensor.data_ptr())
@@ -172,25 +201,41 @@ class BufferPool:
 
     def _give_back(self, buf: PooledBuffer) -> None:
         with self._lock:
+            self._leased_bytes -= buf.capacity
             if self._idle_bytes + buf.capacity <= self.max_bytes:
                 self._idle.setdefault(buf.capacity, []).append(buf)
                 self._idle_bytes += buf.capacity
                 return
         buf.wait()  # dropped: its memory is freed once the device copy is done
 
+    def trim(self, max_idle_bytes: int = 0) -> None:
+        """Drop idle buffers, the smallest first (a larger one serves more sizes), until
+        at most ``max_idle_bytes`` stay."""
+        dropped: list[PooledBuffer] = []
+        with self._lock:
+            for capacity in sorted(self._idle):
+                bufs = self._idle[capacity]
+                while bufs and self._idle_bytes > max_idle_bytes:
+                    dropped.append(bufs.pop())
+                    self._idle_bytes -= capacity
+                if not bufs:
+                    del self._idle[capacity]
+        for buf in dropped:
+            buf.wait()
+
     def clear(self) -> None:
         """Drop every idle buffer."""
-        with self._lock:
-            idle, self._idle, self._idle_bytes = self._idle, {}, 0
-        for bufs in idle.values():
-            for buf in bufs:
-                buf.wait()
+        self.trim(0)
 
     def stats(self) -> dict[str, int]:
+        """Bytes idle, leased and at most both at once (capacities), buffers idle,
+        allocated and reused (leases served by an idle buffer)."""
         with self._lock:
             return {
                 "idle_bytes": self._idle_bytes,
                 "idle_buffers": sum(len(v) for v in self._idle.values()),
+                "leased_bytes": self._leased_bytes,
+                "peak_bytes": self._peak_bytes,
                 "allocated": self._allocated,
                 "reused": self._reused,
             }

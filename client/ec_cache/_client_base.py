@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import httpx
 
 from ._buffers import BufferPool
+from ._call_limit import CallLimit
 from ._claims import check_owner, default_owner
 from ._config import Limits, Retries, Timeouts
 from ._exceptions import UnavailableError
@@ -132,13 +133,30 @@ class ClientBase:
             return RetryableStatus(error)
         return error
 
-    def _retry_delay(self, error: Exception, attempt: int, attempts: int) -> float | None:
+    def _retry_delay(
+        self, error: Exception, attempt: int, attempts: int, limit: CallLimit | None = None
+    ) -> float | None:
         """Seconds before the next try of a request whose try number ``attempt`` (of
         ``attempts``) failed with ``error``; ``None``: give up. Transport errors and
-        the statuses of ``Retries.statuses`` are retried."""
+        the statuses of ``Retries.statuses`` are retried, within the call's
+        ``limit``."""
         if attempt >= attempts or not isinstance(error, httpx.TransportError | RetryableStatus):
             return None
-        return self.retries.delay(attempt)
+        delay = self.retries.delay(attempt)
+        left = None if limit is None else limit.left()
+        return None if left is not None and left <= delay else delay
+
+    def _phase_timeout(self, limit: CallLimit) -> httpx.Timeout:
+        """The client's timeouts, none longer than what is left of ``limit``."""
+        left, t = limit.left(), self.timeouts
+        if left is None:
+            return t.to_httpx()
+        return httpx.Timeout(
+            connect=left if t.connect is None else min(t.connect, left),
+            read=left if t.read is None else min(t.read, left),
+            write=left if t.write is None else min(t.write, left),
+            pool=left if t.pool is None else min(t.pool, left),
+        )
 
     def _is_miss(self, error: BaseException) -> bool:
         """Whether an error answer to a read counts as a miss (503 unless asked)."""

@@ -39,7 +39,8 @@ def engine_env(tmp: Path) -> dict[str, str]:
     tmp.mkdir(parents=True, exist_ok=True)
     return {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        # This checkout's SDK, whichever checkout the engine venv was installed from.
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "client")]),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

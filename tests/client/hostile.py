@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import google_crc32c
 import torch
 from ec_cache._tensors import build_header, tensor_memoryview
 
@@ -31,6 +30,9 @@ BODY = body_of(T)
 
 
 def crc_of(body: bytes) -> str:
+    # Imported here: tests/vllm's environment has the SDK's CRC32C, not this one.
+    import google_crc32c
+
     return f"{google_crc32c.value(body):08x}"
 
 
@@ -102,6 +104,7 @@ class HostileServer:
         self.sock.listen(64)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.connections = 0
+        self.closed_connections = 0
         self._closed = threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -112,7 +115,13 @@ class HostileServer:
             except OSError:
                 return
             self.connections += 1
-            threading.Thread(target=self._conn, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._conn_counted, args=(conn,), daemon=True).start()
+
+    def _conn_counted(self, conn: socket.socket) -> None:
+        try:
+            self._conn(conn)
+        finally:
+            self.closed_connections += 1  # the client hung up, or the script ended
 
     def _conn(self, conn: socket.socket) -> None:
         buf = b""

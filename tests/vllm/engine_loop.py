@@ -61,13 +61,19 @@ class EngineLoop:
         others_running: bool = True,
         chunk: dict[str, list[int]] | None = None,
         preempted: set[str] | None = None,
+        freed: set[str] | None = None,
     ) -> Step:
         """One scheduling step over ``requests``. ``others_running``: requests not
         shown here run in this step (the model runs even if all of these wait).
         ``chunk``: the items this step's prefill chunk of a request covers (default:
-        all). ``preempted``: requests vLLM preempted in this step."""
+        all). ``preempted``: requests vLLM preempted in this step. ``freed``: items
+        vLLM dropped from its encoder cache in this step."""
         out = SchedulerOutput.make_empty()
         out.preempted_req_ids = set(preempted or ())
+        out.free_encoder_mm_hashes = sorted(freed or ())
+        for cache in self.caches:
+            for mm_hash in freed or ():
+                cache.pop(mm_hash, None)
         step = Step(out)
         for req in requests:
             if not self.sched.ensure_cache_available(req, req.num_computed_tokens):

@@ -4,6 +4,7 @@ a real server through plain HTTP)."""
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
@@ -11,7 +12,13 @@ from conftest import Server
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from ec_cache._vllm.breaker import CircuitBreaker
+    from ec_cache._vllm.prefetch import Prefetcher
+    from ec_cache.vllm import ECCacheConnector
 
 SCHED = ECConnectorRole.SCHEDULER
 WORKER = ECConnectorRole.WORKER
@@ -75,3 +82,37 @@ def delete_raw(server: Server, model: str, key: str) -> None:
 def embeds(rows: int = 16, width: int = 32, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=g).to(torch.bfloat16)
+
+
+# The synchronous load path of the tests but test_async_loads.py; the scheduler waits
+# for each existence answer.
+SYNC = {"load_mode": "sync", "exists_wait_s": 5}
+
+
+def step(sched: ECCacheConnector, requests: list[Request]) -> tuple[SchedulerOutput, Any]:
+    """What vLLM's scheduler does with the connector in one step: ask, allocate the
+    items it answered present for (and the computed ones), build the metadata."""
+    out = SchedulerOutput.make_empty()
+    for req in requests:
+        sched.ensure_cache_available(req, req.num_computed_tokens)
+        computed = []
+        for i, feature in enumerate(req.mm_features):
+            if not sched.has_cache_item(feature.identifier):
+                computed.append(i)
+            sched.update_state_after_alloc(req, i)
+        if computed:
+            out.scheduled_encoder_inputs[req.request_id] = computed
+    meta = sched.build_connector_meta(out)
+    out.ec_connector_metadata = meta
+    return out, meta
+
+
+def prefetcher_of(conn: ECCacheConnector) -> Prefetcher:
+    """A worker connector's prefetcher (built with its first order)."""
+    assert conn.worker is not None and conn.worker.prefetcher is not None
+    return conn.worker.prefetcher
+
+
+def breaker_of(conn: ECCacheConnector) -> CircuitBreaker:
+    assert conn.scheduler is not None
+    return conn.scheduler.breaker

@@ -11,6 +11,7 @@ import httpx
 
 from .._answers import entry_info, json_body
 from .._backends import AsyncMapper
+from .._call_limit import CallLimit
 from .._claims import KeyStatus, batch_body, released, statuses, unknown
 from .._client_base import ClientBase, Device, Progress, default_headers, device_of
 from .._config import Limits, Retries, Timeouts
@@ -169,20 +170,29 @@ class AsyncClient(ClientBase):
         device: Device = None,
         out: torch.Tensor | None = None,
         progress: Progress | None = None,
+        timeout: float | None = None,
+        stop: Callable[[], bool] | None = None,
+        min_rate: float | None = None,
     ) -> torch.Tensor | None:
         """The tensor stored under ``hash``, or ``None`` on a miss (404, or 503 unless
         ``raise_on_unavailable``).
 
         ``device``: where the result goes (default: CPU, or ``out``'s device).
         ``out``: an existing tensor of the entry's dtype and shape to fill (returned).
-        The result owns its memory. Raises :class:`IntegrityError` when the body does not
-        match its checksum or headers.
+        ``timeout``: seconds for the whole call, every try and body byte included (a
+        server that trickles its answer cannot hold it longer); ``stop``: asked every
+        50 ms while waiting, ends the call once it returns ``True``; ``min_rate``:
+        bytes per second the body must average, from one second after its head came.
+        Each ends the call with :class:`TransportError`. The result owns its memory.
+        Raises :class:`IntegrityError` when the body does not match its checksum or
+        headers.
         """
         path = self._path(hash)
         dev = device_of(device)
+        limit = CallLimit.of(timeout, stop, min_rate)
 
         async def op(url: str) -> torch.Tensor | None:
-            response = await self._send("GET", url, path)
+            response = await self._send("GET", url, path, limit=limit)
             try:
                 if response.status_code == 200:
                     return await self._receive(response, url, dev, out, progress)
@@ -191,22 +201,30 @@ class AsyncClient(ClientBase):
             finally:
                 await response.aclose()
 
-        return await self._call(self._order(hash), op)
+        return await self._call(self._order(hash), op, limit=limit)
 
-    async def head(self, hash: str) -> EntryInfo | None:
+    async def head(
+        self,
+        hash: str,
+        *,
+        timeout: float | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> EntryInfo | None:
         """What the server knows about ``hash`` (dtype, shape, size, checksum, tier), or
-        ``None`` on a miss. Never transfers the body."""
+        ``None`` on a miss. Never transfers the body. ``timeout`` and ``stop``: as
+        for :meth:`get`."""
         path = self._path(hash)
+        limit = CallLimit.of(timeout, stop)
 
         async def op(url: str) -> EntryInfo | None:
-            response = await self._send("HEAD", url, path)
+            response = await self._send("HEAD", url, path, limit=limit)
             await response.aread()  # the empty body: the connection can be reused
             if response.status_code == 200:
                 return entry_info(hash, response, url)
             await self._miss(response, url)
             return None
 
-        return await self._call(self._order(hash), op)
+        return await self._call(self._order(hash), op, limit=limit)
 
     async def exists(self, hash: str) -> bool:
         """Whether ``hash`` is stored (a ``HEAD``; a 503 counts as absent)."""
@@ -367,6 +385,8 @@ class AsyncClient(ClientBase):
         body: httpx.AsyncByteStream | None = None,
         headers: dict[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
+        *,
+        limit: CallLimit | None = None,
     ) -> httpx.Response:
         """``method url+path`` with the client's headers and timeouts, streamed;
         ``body`` and its ``headers`` (its Content-Length among them), if given, are
@@ -376,11 +396,16 @@ class AsyncClient(ClientBase):
         ``httpx.Request`` (URL parsing, header merging) and ``httpx.Client.send``
         (auth and redirect machinery, none of which the SDK uses) cost more client CPU
         than the rest of a GET's Python together. Same headers, timeouts, pool and
-        exceptions; no ``response.request``."""
+        exceptions; no ``response.request``. ``limit`` bounds the whole exchange
+        (through a stock httpx transport, each of its phases)."""
         route = self._routes.get(url)
         if route is None or self._transport is None or self._http.is_closed:
             request = self._http.build_request(
-                method, url + path, headers=headers, timeout=timeout or httpx.USE_CLIENT_DEFAULT
+                method,
+                url + path,
+                headers=headers,
+                timeout=timeout
+                or (httpx.USE_CLIENT_DEFAULT if limit is None else self._phase_timeout(limit)),
             )
             if body is not None:
                 request.stream = body
@@ -388,7 +413,7 @@ class AsyncClient(ClientBase):
         fields = route.headers
         if headers:
             fields = [*fields, *((k.encode(), v.encode()) for k, v in headers.items())]
-        out = Outgoing(method.encode(), route.target(path), fields, body, None)
+        out = Outgoing(method.encode(), route.target(path), fields, body, None, limit)
         timeouts = self._timeouts if timeout is None else timeout.as_dict()
         response = await self._transport.send(route.key, out, timeouts)
         log_response(method, url + path, response)
@@ -481,11 +506,16 @@ class AsyncClient(ClientBase):
         return await self._call(order, op)
 
     async def _call(
-        self, order: list[str], op: Callable[[str], Awaitable[T]], *, resend: bool = True
+        self,
+        order: list[str],
+        op: Callable[[str], Awaitable[T]],
+        *,
+        resend: bool = True,
+        limit: CallLimit | None = None,
     ) -> T:
         """Run ``op(url)`` over the replica order with failover, retried as
         ``Retries`` says (``resend=False``: only a refused connection is tried again,
-        on the next replica)."""
+        on the next replica) within ``limit``."""
         attempts = self.retries.attempts if resend else 1
         tried = order[0]
 
@@ -503,7 +533,8 @@ class AsyncClient(ClientBase):
 
         try:
             return await retried(
-                over_replicas, lambda error, attempt: self._retry_delay(error, attempt, attempts)
+                over_replicas,
+                lambda error, attempt: self._retry_delay(error, attempt, attempts, limit),
             )
         except (httpx.TransportError, RetryableStatus) as exc:
             raise to_ec_error(exc, tried) from None

@@ -42,6 +42,7 @@ import h11
 import httpx
 
 from .._backends import AsyncSemaphore, AsyncSocket
+from .._call_limit import CallLimit
 from .._head import Head, parse_plain_head, plain_request_head
 
 __all__ = ["AsyncResponseBody", "AsyncTransport"]
@@ -71,9 +72,10 @@ class Outgoing:
     """One request as the transport sends it: what ``handle_async_request`` takes
     from an ``httpx.Request``, or what :meth:`AsyncTransport.send` is given directly
     (the clients' own requests, which skip building an ``httpx.Request``).
-    ``request`` is the ``httpx.Request`` named by exceptions, when there is one."""
+    ``request`` is the ``httpx.Request`` named by exceptions, when there is one;
+    ``limit`` bounds the whole exchange, body included (see ``ec_cache._call_limit``)."""
 
-    __slots__ = ("expect", "headers", "method", "request", "stream", "target")
+    __slots__ = ("expect", "headers", "limit", "method", "request", "stream", "target")
 
     def __init__(
         self,
@@ -82,7 +84,9 @@ class Outgoing:
         headers: list[tuple[bytes, bytes]],
         stream: httpx.AsyncByteStream | None,
         request: httpx.Request | None,
+        limit: CallLimit | None = None,
     ) -> None:
+        self.limit = limit
         self.method = method
         self.target = target
         self.headers = headers
@@ -130,6 +134,7 @@ class AsyncConnection:
         self.last_used = time.monotonic()
         self.closed = False
         self._buf = bytearray(HEAD_RECV)
+        self.limit: CallLimit | None = None  # of the request in progress
         self.reset()
 
     def reset(self) -> None:
@@ -194,14 +199,32 @@ class AsyncConnection:
         self.early = bytes(received[plain.body_start :])
         return plain.head, plain.body_length
 
+    async def recv_into(
+        self, mv: memoryview, timeout: float | None, deadline: float | None = None
+    ) -> int:
+        """One receive into ``mv``: ``TimeoutError`` after ``timeout`` seconds without
+        data, at ``deadline`` (monotonic), or when the request's own limit is reached."""
+        end = deadline
+        if timeout is not None:
+            end = min(time.monotonic() + timeout, end if end is not None else float("inf"))
+        while True:
+            wait = None if end is None else end - time.monotonic()
+            if wait is not None and wait <= 0:
+                raise TimeoutError("nothing received in time")
+            if self.limit is not None:
+                wait = self.limit.wait(wait)
+            try:
+                n = await self.sock.recv_into(mv, wait)
+            except TimeoutError:
+                if self.limit is None:
+                    raise
+                continue
+            if self.limit is not None:
+                self.limit.received(n)
+            return n
+
     async def _receive(self, timeout: float | None, deadline: float | None) -> int:
-        wait = timeout
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("response head not complete in time")
-            wait = left if wait is None else min(wait, left)
-        n = await self.sock.recv_into(memoryview(self._buf), wait)
+        n = await self.recv_into(memoryview(self._buf), timeout, deadline)
         if n:
             self.received_any = True
         elif not self.received_any:
@@ -286,9 +309,10 @@ class AsyncResponseBody(httpx.AsyncByteStream):
                         f"unexpected {type(event).__name__} in a response body",
                         request=self._request,
                     )
-        except TimeoutError:
+        except TimeoutError as exc:
             self._abort()
-            raise httpx.ReadTimeout("timed out reading the body", request=self._request) from None
+            why = str(exc) or "timed out"
+            raise httpx.ReadTimeout(f"reading the body: {why}", request=self._request) from None
         except h11.RemoteProtocolError as exc:
             self._abort()
             raise httpx.RemoteProtocolError(f"body: {exc}", request=self._request) from None
@@ -309,7 +333,7 @@ class AsyncResponseBody(httpx.AsyncByteStream):
         # socket holds (~1 MB under load). A cap of 256 KiB made a 4.7 MB body ~21
         # receives and, with the CRC of each piece, ~40 GIL hand-offs: 16 threads
         # sharing a Client made 176 futex calls per GET (strace), urllib3 44.
-        n = await conn.sock.recv_into(mv[:left] if left < len(mv) else mv, self._timeout)
+        n = await conn.recv_into(mv[:left] if left < len(mv) else mv, self._timeout)
         if n == 0:
             raise httpx.RemoteProtocolError(
                 f"server closed the connection with {left} body bytes missing",
@@ -449,8 +473,15 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         is in; its body is ``response.extensions["ec_body"]``. ``timeouts`` has httpx's
         keys (``connect``, ``read``, ``write``, ``pool``). Raises httpx's exceptions."""
         request = out.request
+        limit = out.limit
         slot = self._slot(key)
-        if not await slot.acquire(timeouts.get("pool")):
+        pool_wait = timeouts.get("pool")
+        try:
+            if limit is not None:
+                pool_wait = limit.wait(pool_wait, poll=False)
+        except TimeoutError:
+            raise httpx.PoolTimeout("the call's timeout expired", request=request) from None
+        if not await slot.acquire(pool_wait):
             raise httpx.PoolTimeout(
                 f"all {self._max_connections} connections to {key[0]}:{key[1]} stayed busy",
                 request=request,
@@ -458,7 +489,10 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         try:
             for attempt in (0, 1):
                 try:
-                    conn, reused = await self._acquire(key, timeouts.get("connect"))
+                    connect = timeouts.get("connect")
+                    if limit is not None:
+                        connect = limit.wait(connect, poll=False)
+                    conn, reused = await self._acquire(key, connect)
                 except TimeoutError:
                     raise httpx.ConnectTimeout(f"connecting to {key}", request=request) from None
                 except OSError as exc:
@@ -484,6 +518,7 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         release_slot: Callable[[], None],
     ) -> httpx.Response:
         request = out.request
+        conn.limit = out.limit
         plain = None
         if out.stream is None:  # GET, HEAD: the head may be written without h11
             plain = plain_request_head(out.method, out.target, out.headers)
@@ -549,6 +584,8 @@ class AsyncTransport(httpx.AsyncBaseTransport):
         release_slot: Callable[[], None],
     ) -> httpx.Response:
         response_head, framed_length = answer
+        if out.limit is not None:
+            out.limit.body_started()
         body = AsyncResponseBody(
             self,
             conn,

@@ -43,6 +43,7 @@ import h11
 import httpx
 
 from .._backends import Semaphore, Socket
+from .._call_limit import CallLimit
 from .._head import Head, parse_plain_head, plain_request_head
 
 __all__ = ["ResponseBody", "Transport"]
@@ -72,9 +73,10 @@ class Outgoing:
     """One request as the transport sends it: what ``handle_request`` takes
     from an ``httpx.Request``, or what :meth:`Transport.send` is given directly
     (the clients' own requests, which skip building an ``httpx.Request``).
-    ``request`` is the ``httpx.Request`` named by exceptions, when there is one."""
+    ``request`` is the ``httpx.Request`` named by exceptions, when there is one;
+    ``limit`` bounds the whole exchange, body included (see ``ec_cache._call_limit``)."""
 
-    __slots__ = ("expect", "headers", "method", "request", "stream", "target")
+    __slots__ = ("expect", "headers", "limit", "method", "request", "stream", "target")
 
     def __init__(
         self,
@@ -83,7 +85,9 @@ class Outgoing:
         headers: list[tuple[bytes, bytes]],
         stream: httpx.SyncByteStream | None,
         request: httpx.Request | None,
+        limit: CallLimit | None = None,
     ) -> None:
+        self.limit = limit
         self.method = method
         self.target = target
         self.headers = headers
@@ -131,6 +135,7 @@ class Connection:
         self.last_used = time.monotonic()
         self.closed = False
         self._buf = bytearray(HEAD_RECV)
+        self.limit: CallLimit | None = None  # of the request in progress
         self.reset()
 
     def reset(self) -> None:
@@ -195,14 +200,32 @@ class Connection:
         self.early = bytes(received[plain.body_start :])
         return plain.head, plain.body_length
 
+    def recv_into(
+        self, mv: memoryview, timeout: float | None, deadline: float | None = None
+    ) -> int:
+        """One receive into ``mv``: ``TimeoutError`` after ``timeout`` seconds without
+        data, at ``deadline`` (monotonic), or when the request's own limit is reached."""
+        end = deadline
+        if timeout is not None:
+            end = min(time.monotonic() + timeout, end if end is not None else float("inf"))
+        while True:
+            wait = None if end is None else end - time.monotonic()
+            if wait is not None and wait <= 0:
+                raise TimeoutError("nothing received in time")
+            if self.limit is not None:
+                wait = self.limit.wait(wait)
+            try:
+                n = self.sock.recv_into(mv, wait)
+            except TimeoutError:
+                if self.limit is None:
+                    raise
+                continue
+            if self.limit is not None:
+                self.limit.received(n)
+            return n
+
     def _receive(self, timeout: float | None, deadline: float | None) -> int:
-        wait = timeout
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("response head not complete in time")
-            wait = left if wait is None else min(wait, left)
-        n = self.sock.recv_into(memoryview(self._buf), wait)
+        n = self.recv_into(memoryview(self._buf), timeout, deadline)
         if n:
             self.received_any = True
         elif not self.received_any:
@@ -287,9 +310,10 @@ class ResponseBody(httpx.SyncByteStream):
                         f"unexpected {type(event).__name__} in a response body",
                         request=self._request,
                     )
-        except TimeoutError:
+        except TimeoutError as exc:
             self._abort()
-            raise httpx.ReadTimeout("timed out reading the body", request=self._request) from None
+            why = str(exc) or "timed out"
+            raise httpx.ReadTimeout(f"reading the body: {why}", request=self._request) from None
         except h11.RemoteProtocolError as exc:
             self._abort()
             raise httpx.RemoteProtocolError(f"body: {exc}", request=self._request) from None
@@ -310,7 +334,7 @@ class ResponseBody(httpx.SyncByteStream):
         # socket holds (~1 MB under load). A cap of 256 KiB made a 4.7 MB body ~21
         # receives and, with the CRC of each piece, ~40 GIL hand-offs: 16 threads
         # sharing a Client made 176 futex calls per GET (strace), urllib3 44.
-        n = conn.sock.recv_into(mv[:left] if left < len(mv) else mv, self._timeout)
+        n = conn.recv_into(mv[:left] if left < len(mv) else mv, self._timeout)
         if n == 0:
             raise httpx.RemoteProtocolError(
                 f"server closed the connection with {left} body bytes missing",
@@ -446,8 +470,15 @@ class Transport(httpx.BaseTransport):
         is in; its body is ``response.extensions["ec_body"]``. ``timeouts`` has httpx's
         keys (``connect``, ``read``, ``write``, ``pool``). Raises httpx's exceptions."""
         request = out.request
+        limit = out.limit
         slot = self._slot(key)
-        if not slot.acquire(timeouts.get("pool")):
+        pool_wait = timeouts.get("pool")
+        try:
+            if limit is not None:
+                pool_wait = limit.wait(pool_wait, poll=False)
+        except TimeoutError:
+            raise httpx.PoolTimeout("the call's timeout expired", request=request) from None
+        if not slot.acquire(pool_wait):
             raise httpx.PoolTimeout(
                 f"all {self._max_connections} connections to {key[0]}:{key[1]} stayed busy",
                 request=request,
@@ -455,7 +486,10 @@ class Transport(httpx.BaseTransport):
         try:
             for attempt in (0, 1):
                 try:
-                    conn, reused = self._acquire(key, timeouts.get("connect"))
+                    connect = timeouts.get("connect")
+                    if limit is not None:
+                        connect = limit.wait(connect, poll=False)
+                    conn, reused = self._acquire(key, connect)
                 except TimeoutError:
                     raise httpx.ConnectTimeout(f"connecting to {key}", request=request) from None
                 except OSError as exc:
@@ -481,6 +515,7 @@ class Transport(httpx.BaseTransport):
         release_slot: Callable[[], None],
     ) -> httpx.Response:
         request = out.request
+        conn.limit = out.limit
         plain = None
         if out.stream is None:  # GET, HEAD: the head may be written without h11
             plain = plain_request_head(out.method, out.target, out.headers)
@@ -546,6 +581,8 @@ class Transport(httpx.BaseTransport):
         release_slot: Callable[[], None],
     ) -> httpx.Response:
         response_head, framed_length = answer
+        if out.limit is not None:
+            out.limit.body_started()
         body = ResponseBody(
             self,
             conn,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import torch
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+import ec_cache
 from ec_cache._keys import model_error, segment_ok
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class ECCacheConnectorConfig(BaseModel):
     # worker: load
     load_mode: Literal["async", "sync"] = "async"
     load_timeout_s: Timeout = 10.0
+    load_min_bytes_per_s: Annotated[int, BeforeValidator(parse_size), Field(ge=0)] = 1 << 20
     load_concurrency: Count = 8
     prefetch_buffer_bytes: ByteSize = 1 << 30
     on_load_failure: Literal["recompute", "raise"] = "recompute"
@@ -183,3 +185,26 @@ def resolve_namespace(cfg: ECCacheConnectorConfig, vllm_config: VllmConfig) -> t
                 "ec_connector_extra_config.dtype (e.g. 'bfloat16')"
             )
     return model, dtype
+
+
+def make_client(
+    cfg: ECCacheConnectorConfig,
+    model: str,
+    dtype: str,
+    *,
+    timeout: float,
+    attempts: int,
+    raise_on_unavailable: bool,
+    concurrency: int,
+) -> ec_cache.Client:
+    """A blocking client of the configured replicas for one of the connector's uses."""
+    return ec_cache.Client(
+        list(cfg.urls),
+        model=model,
+        dtype=dtype,
+        token=cfg.token,
+        timeouts=ec_cache.Timeouts.of(timeout),
+        retries=ec_cache.Retries(attempts=attempts, backoff=min(0.05, timeout / 4)),
+        limits=ec_cache.Limits(concurrency=concurrency),
+        raise_on_unavailable=raise_on_unavailable,
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import enum
-import logging
+import functools
 import math
 import threading
 import time
@@ -32,16 +32,16 @@ from ec_cache._cuda import copy_to_device
 from ec_cache._sync.retries import retried
 from ec_cache._tensors import EntryInfo
 from ec_cache._vllm.counters import Counters
+from ec_cache._vllm.logs import logger
 from ec_cache._vllm.planner import PrefetchOrder
+from ec_cache._vllm.shapes import check_shape
 
-__all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "check_shape", "fetch_until"]
-
-# A child of vLLM's "vllm" logger, so that vLLM's logging configuration shows it.
-logger = logging.getLogger("vllm.ec_cache")
+__all__ = ["HostEntry", "PrefetchReport", "Prefetcher", "fetch_until"]
 
 T = TypeVar("T")
 
 # Failures that a later attempt may not meet: 503, transport errors, a corrupted body.
+# Not a timeout: each call is given all the time left (or its body was too slow).
 _TRANSIENT = (ec_cache.UnavailableError, ec_cache.TransportError, ec_cache.IntegrityError)
 
 
@@ -52,16 +52,21 @@ def fetch_until(
     stop: Callable[[], bool] = lambda: False,
 ) -> tuple[T | None, str | None]:
     """``call()`` (a GET or HEAD), retried on transient failures (503, transport
-    errors, a corrupted body) until ``deadline`` or ``stop()``, 50 ms apart and then
-    twice as long each time, up to 1 s. A 404 (``None``) and any other error are
-    final. Returns the result, or ``None`` and why."""
+    errors but timeouts, a corrupted body) until ``deadline`` or ``stop()``, 50 ms
+    apart and then twice as long each time, up to 1 s. A 404 (``None``), a timeout
+    and any other error are final. Returns the result, or ``None`` and why."""
     attempts = 0
 
     def delay(error: Exception, attempt: int) -> float | None:
         nonlocal attempts
         attempts = attempt
         wait = backoff(attempt, 0.05, 1.0)
-        if not isinstance(error, _TRANSIENT) or time.monotonic() + wait >= deadline or stop():
+        if (
+            not isinstance(error, _TRANSIENT)
+            or isinstance(error, ec_cache.TransportTimeout)
+            or time.monotonic() + wait >= deadline
+            or stop()
+        ):
             return None
         counters.add("load_retries")
         return wait
@@ -77,33 +82,34 @@ def fetch_until(
     return result, None
 
 
-def check_shape(shape: tuple[int, ...], num_embeds: int | None, width: int | None) -> str | None:
-    """Why an entry of ``shape`` is not the encoder output vLLM expects, or None."""
-    if len(shape) < 1:
-        return "a 0-d tensor"
-    if num_embeds is not None and shape[0] != num_embeds:
-        return f"shape {shape}, but vLLM expects {num_embeds} rows"
-    if width is not None and len(shape) == 2 and shape[1] != width:
-        return f"shape {shape}, but the encoder width is {width}"
-    return None
-
-
 class EntryClient(Protocol):
     """What the prefetcher needs of :class:`ec_cache.Client`."""
 
-    def head(self, hash: str) -> EntryInfo | None: ...
+    def head(
+        self, hash: str, *, timeout: float | None = None, stop: Callable[[], bool] | None = None
+    ) -> EntryInfo | None: ...
 
-    def get(self, hash: str, *, out: torch.Tensor | None = None) -> torch.Tensor | None: ...
+    def get(
+        self,
+        hash: str,
+        *,
+        out: torch.Tensor | None = None,
+        timeout: float | None = None,
+        stop: Callable[[], bool] | None = None,
+        min_rate: float | None = None,
+    ) -> torch.Tensor | None: ...
 
 
 @dataclass
 class HostEntry:
     """One fetched entry in host memory: ``tensor`` is a view into ``lease`` (a pooled,
-    pinned-where-CUDA buffer) or, without a staging pool, a tensor of its own."""
+    pinned-where-CUDA buffer) or, without a staging pool, a tensor of its own.
+    ``on_release``: called once the lease went back (the budget gets its bytes)."""
 
     tensor: torch.Tensor
     nbytes: int
     lease: PooledBuffer | None = None
+    on_release: Callable[[], None] | None = None
 
     def to_device(self, device: torch.device) -> torch.Tensor:
         """The tensor on ``device``: a ``non_blocking`` copy on the current stream from
@@ -118,8 +124,11 @@ class HostEntry:
 
     def release(self) -> None:
         lease, self.lease = self.lease, None
+        on_release, self.on_release = self.on_release, None
         if lease is not None:
             lease.release()
+        if on_release is not None:
+            on_release()
 
 
 @dataclass(frozen=True)
@@ -143,12 +152,19 @@ class _Job:
     order: PrefetchOrder
     deadline: float
     state: _State = _State.QUEUED
-    cancelled: bool = False
+    abandoned: bool = False  # released, taken elsewhere or closed: its fetch stops
     reserved: int = 0  # bytes of the budget this job takes
     entry: HostEntry | None = None
     held_since: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
+    def stop(self) -> bool:
+        return self.abandoned
+
+
+# A staging buffer up to this many times an entry's size is reused for it (the
+# budget counts the whole buffer): a new pinned buffer costs far more than a copy.
+REUSE_UP_TO = 4.0
 
 # A held entry neither taken nor released this many ``timeout_s`` after it arrived is
 # dropped: a guard against a release that never came, not a part of the protocol
@@ -158,11 +174,15 @@ HELD_TTL_TIMEOUTS = 3
 
 class Prefetcher:
     """Fetches ordered entries on ``threads`` daemon threads into host memory, at
-    most ``budget_bytes`` at once (fetching and held; tensor bytes, a pooled buffer
-    rounds up); each order must be held within ``timeout_s`` of its arrival (waiting
-    for room included). ``staging``: the pool of (pinned) buffers to receive into;
-    without it each entry gets a tensor of its own (CPU workers: handed to vLLM as
-    it is)."""
+    most ``budget_bytes`` at once: the memory really taken, so a pooled buffer counts
+    its capacity, and the pool's idle buffers count too (they are dropped, the largest
+    first, to make room). Each order must be held within ``timeout_s`` of its arrival
+    (waiting for room included); a fetch ends at that deadline wherever it is (the
+    SDK bounds the whole transfer, not each receive), or sooner when its body
+    arrives slower than ``min_rate`` bytes per second. ``staging``: the pool of
+    (pinned) buffers to receive into; without it each entry gets a tensor of its own
+    (CPU workers: handed to vLLM as it is). ``on_failure(key)``: an entry could not be
+    fetched (its key is no longer known to be present)."""
 
     def __init__(
         self,
@@ -173,6 +193,8 @@ class Prefetcher:
         threads: int,
         timeout_s: float,
         counters: Counters,
+        min_rate: float | None = None,
+        on_failure: Callable[[str], None] = lambda key: None,
         staging: BufferPool | None = None,
     ) -> None:
         self._client = client
@@ -180,7 +202,9 @@ class Prefetcher:
         self._budget = budget_bytes
         self._threads_wanted = threads
         self._timeout = timeout_s
+        self._min_rate = min_rate
         self._counters = counters
+        self._on_failure = on_failure
         self._staging = staging
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}  # mm_hash -> job
@@ -206,7 +230,6 @@ class Prefetcher:
             if job is not None:
                 self._by_order.pop(job.order.order_id, None)
                 job.order = order
-                job.cancelled = False
                 job.deadline = time.monotonic() + self._timeout
             else:
                 job = _Job(order, time.monotonic() + self._timeout)
@@ -218,23 +241,27 @@ class Prefetcher:
                 self._start_threads()
 
     def release(self, order_id: int) -> None:
-        """Drop the entry of ``order_id``: held memory is freed now, a queued order
-        never starts, a fetch in flight is dropped when it ends."""
+        """Drop the entry of ``order_id`` now: held memory is freed, a queued order
+        never starts, a fetch in flight is abandoned: its bytes leave the budget at
+        once, and its transfer stops (its thread takes the next order) within the
+        SDK's stop poll, 50 ms."""
         with self._cond:
             job = self._by_order.get(order_id)
             if job is not None:
-                self._drop(job)
+                self._counters.add("prefetch_dropped")
+                self._abandon(job)
 
     def take(self, mm_hash: str, wait_until: float) -> HostEntry | None:
         """The held entry of ``mm_hash``, now owned by the caller; one still being
         fetched is waited for until ``wait_until``. ``None``: not held (the caller
-        fetches it; a prefetch still under way then is dropped)."""
+        fetches it; a prefetch still under way then is abandoned)."""
         with self._cond:
             job = self._jobs.get(mm_hash)
             while job is not None and job.state is not _State.HELD:
                 remaining = wait_until - time.monotonic()
-                if job.cancelled or remaining <= 0:
-                    self._drop(job)
+                if remaining <= 0:
+                    self._counters.add("prefetch_dropped")
+                    self._abandon(job)
                     return None
                 self._cond.wait(remaining)
                 job = self._jobs.get(mm_hash)
@@ -242,6 +269,11 @@ class Prefetcher:
                 return None
             entry = job.entry
             job.entry = None
+            if entry is not None and entry.lease is not None:
+                # The caller holds the buffer until its copy is done: the budget
+                # gets the bytes back then.
+                entry.on_release = functools.partial(self._unreserve, job.reserved)
+                job.reserved = 0
             self._remove(job)
             return entry
 
@@ -262,14 +294,11 @@ class Prefetcher:
             return PrefetchReport(frozenset(held), failed, self._used)
 
     def close(self) -> None:
-        """Drop everything; the threads end (fetches in flight end with their timeouts)."""
+        """Drop everything; the threads end (fetches in flight stop within 50 ms)."""
         with self._cond:
             self._closed = True
             for job in list(self._jobs.values()):
-                if job.state is _State.FETCHING:
-                    job.cancelled = True
-                else:
-                    self._remove(job)
+                self._abandon(job)
             self._cond.notify_all()
 
     # ---------------------------------------------------------------- threads
@@ -308,15 +337,21 @@ class Prefetcher:
         nbytes = math.prod(shape) * self._dtype.itemsize
         if not self._reserve(job, nbytes):
             return
-        entry = self._allocate(shape, nbytes)
+        entry = self._allocate(job, shape, nbytes)
         tensor, error = fetch_until(
-            lambda: self._client.get(order.key, out=entry.tensor),
+            lambda: self._client.get(
+                order.key,
+                out=entry.tensor,
+                timeout=job.deadline - time.monotonic(),
+                stop=job.stop,
+                min_rate=self._min_rate,
+            ),
             job.deadline,
             self._counters,
-            stop=lambda: job.cancelled or self._closed,
+            stop=job.stop,
         )
         with self._cond:
-            if tensor is None or job.cancelled or self._closed:
+            if tensor is None or job.abandoned:
                 entry.release()
                 self._give_up(job, error or "not found")
             else:
@@ -335,10 +370,12 @@ class Prefetcher:
         if order.num_embeds is not None and order.width is not None:
             return (order.num_embeds, order.width), None
         info, error = fetch_until(
-            lambda: self._client.head(order.key),
+            lambda: self._client.head(
+                order.key, timeout=job.deadline - time.monotonic(), stop=job.stop
+            ),
             job.deadline,
             self._counters,
-            stop=lambda: job.cancelled or self._closed,
+            stop=job.stop,
         )
         if info is None:
             return None, error
@@ -349,51 +386,56 @@ class Prefetcher:
         return (None, wrong) if wrong else (info.shape, None)
 
     def _reserve(self, job: _Job, nbytes: int) -> bool:
-        """Wait for ``nbytes`` of room in the budget until the job's deadline."""
+        """Wait for room for ``nbytes`` (a new pooled buffer's capacity) in the budget
+        until the job's deadline (idle pooled buffers are dropped for it, if need be,
+        when no idle one is reused)."""
+        need = self._staging.capacity_for(nbytes) if self._staging is not None else nbytes
         with self._cond:
-            if nbytes > self._budget:
-                self._fail(job, f"{nbytes} bytes do not fit prefetch_buffer_bytes ({self._budget})")
+            if need > self._budget:
+                self._fail(job, f"{need} bytes do not fit prefetch_buffer_bytes ({self._budget})")
                 return False
             waited = False
-            while self._used + nbytes > self._budget:
+            while self._used + need > self._budget:
                 remaining = job.deadline - time.monotonic()
-                if job.cancelled or self._closed or remaining <= 0:
+                if job.abandoned or remaining <= 0:
                     break
                 if not waited:
                     waited = True
                     self._counters.add("prefetch_budget_waits")
                 self._cond.wait(remaining)
-            if job.cancelled or self._closed or self._used + nbytes > self._budget:
+            if job.abandoned or self._used + need > self._budget:
                 self._give_up(job, "no room in prefetch_buffer_bytes before the deadline")
                 return False
-            self._used += nbytes
-            job.reserved = nbytes
+            self._used += need
+            job.reserved = need
             return True
 
-    def _allocate(self, shape: tuple[int, ...], nbytes: int) -> HostEntry:
-        if self._staging is None:
+    def _allocate(self, job: _Job, shape: tuple[int, ...], nbytes: int) -> HostEntry:
+        staging = self._staging
+        if staging is None:
             return HostEntry(torch.empty(shape, dtype=self._dtype), nbytes)
-        # Pinned memory stays within the budget: idle buffers go before a new one.
-        if self.held_bytes + self._staging.stats()["idle_bytes"] > self._budget:
-            self._staging.clear()
-        lease = self._staging.acquire(nbytes)
+        lease = staging.reuse(nbytes, up_to=REUSE_UP_TO)
+        if lease is None:  # a new buffer: idle ones go first, so that the budget holds
+            with self._cond:
+                staging.trim(self._budget - self._used)
+            lease = staging.acquire(nbytes)
+        with self._cond:  # a reused idle buffer may be larger: it moved out of idle
+            if job.reserved:
+                self._used += lease.capacity - job.reserved
+                job.reserved = lease.capacity
         return HostEntry(typed_view(lease.tensor, nbytes, self._dtype, shape), nbytes, lease)
 
     # ------------------------------------------------------- under self._cond
 
-    def _drop(self, job: _Job) -> None:
-        if job.cancelled:
-            return
-        self._counters.add("prefetch_dropped")
-        if job.state is _State.FETCHING:
-            job.cancelled = True  # removed when the fetch ends
-            self._by_order.pop(job.order.order_id, None)
-        else:
-            self._remove(job)
+    def _abandon(self, job: _Job) -> None:
+        """Forget ``job`` now (its bytes leave the budget); a fetch in flight sees
+        ``job.stop()`` and ends."""
+        job.abandoned = True
+        self._remove(job)
 
     def _give_up(self, job: _Job, why: str) -> None:
-        """End ``job`` without an entry: dropped if it was released, else failed."""
-        if job.cancelled or self._closed:
+        """End ``job`` without an entry: failed unless it was abandoned."""
+        if job.abandoned or self._closed:
             self._remove(job)
         else:
             self._fail(job, why)
@@ -403,6 +445,7 @@ class Prefetcher:
             return
         self._counters.add("prefetch_fetch_failed")
         self._failed.add(job.order.order_id)
+        self._on_failure(job.order.key)
         self._failures_logged += 1
         # The first failures in full, then one line per 100 to keep logs readable.
         if self._failures_logged <= 3 or self._failures_logged % 100 == 0:
@@ -413,6 +456,11 @@ class Prefetcher:
                 why,
             )
         self._remove(job)
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
 
     def _remove(self, job: _Job) -> None:
         if self._jobs.get(job.order.mm_hash) is job:

@@ -9,7 +9,6 @@ future miss, never a reason to stall inference or grow memory without bound.
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -17,11 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ec_cache._vllm.counters import Counters
+from ec_cache._vllm.logs import logger
 
 __all__ = ["BackgroundUploader", "UploadJob"]
-
-# A child of vLLM's "vllm" logger, so that vLLM's logging configuration shows it.
-logger = logging.getLogger("vllm.ec_cache")
 
 
 @dataclass
