@@ -8,7 +8,8 @@
 #     -e EC_ANONYMOUS=read-write ec-cache:0.1.0
 #
 # Configuration is the server's own EC_* environment (see docs/deploy.md); the image
-# only changes EC_HOST (listen on all interfaces) and EC_DATA_DIR (/data, a volume).
+# only sets EC_HOST (0.0.0.0: all interfaces), EC_PORT (8080, the server's default
+# too) and EC_DATA_DIR (/data, a volume).
 # Listening beyond loopback, the server refuses to start without tokens
 # (EC_AUTH_TOKENS) or an explicit EC_ANONYMOUS, as above.
 
@@ -28,9 +29,10 @@ WORKDIR /src
 # Only what building the server distribution needs (see .dockerignore).
 COPY pyproject.toml README.md requirements.lock ./
 COPY app ./app
-COPY deploy/docker/server-wheels.sh ./deploy/docker/
+COPY deploy/docker/server-wheels.sh deploy/docker/build-backend.lock ./deploy/docker/
 
-# The locked wheels (hash-checked, binary only) and the server's own wheel, with the
+# The locked wheels (hash-checked, binary only) and the server's own wheel (built by
+# the setuptools of deploy/docker/build-backend.lock, hash-checked too), with the
 # lock and the install script (tests/deploy/test_image_install.py runs the same
 # script). Nothing from this stage but /wheels reaches the final image.
 RUN sh deploy/docker/server-wheels.sh build /wheels

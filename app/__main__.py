@@ -1,8 +1,11 @@
-"""``python -m app``: start the server with settings from ``EC_*`` variables."""
+"""``python -m app``: start the server with settings from ``EC_*`` variables (``--help``
+lists them), or only check them (``--check``)."""
 
 from __future__ import annotations
 
+import argparse
 import logging.config
+import os
 import resource
 import sys
 from typing import Any
@@ -11,11 +14,14 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from app import __version__
 from app.allocator import keep_freed_memory
+from app.check import run_checks
 from app.http_protocol import uvicorn_options
 from app.logs import logging_config
 from app.main import ConfigurationError, create_app
-from app.settings import Settings
+from app.settings import Settings, setting_defaults, unknown_variables
+from app.tiers.disk.data_dir import DataDirError
 
 log = logging.getLogger("app")
 
@@ -51,20 +57,55 @@ def _raise_open_files_limit(connections: int) -> None:
         )
 
 
+def _arguments() -> argparse.ArgumentParser:
+    width = max(len(name) for name, _ in setting_defaults())
+    settings = "\n".join(f"  {name:<{width}}  {default}" for name, default in setting_defaults())
+    parser = argparse.ArgumentParser(
+        prog="python -m app",
+        description="ec-cache server: a shared cache for multimodal encoder outputs.\n\n"
+        "All settings come from EC_* environment variables (sizes take bytes or a\n"
+        "KiB/MiB/GiB/TiB suffix), S3 credentials from the AWS chain (AWS_ACCESS_KEY_ID,\n"
+        "...); docs/operations.md explains each. An EC_* variable that is no setting\n"
+        "is named in a warning at start-up.",
+        epilog=f"settings and their defaults:\n{settings}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ec-cache {__version__}")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the settings, the data directory (free to use, layout) and S3 "
+        "(reachable, credentials, bucket), print one line each and exit: 0 when all "
+        "are usable, else 1; serve nothing",
+    )
+    return parser
+
+
 def main() -> None:
+    arguments = _arguments().parse_args()
     try:
         settings = Settings()
     except ValidationError as exc:
         sys.exit(_explain(exc))
     log_config = logging_config(settings)
     logging.config.dictConfig(log_config)
+    for warning in unknown_variables(os.environ):
+        log.warning("%s", warning)
     try:
         app = create_app(settings)
     except ConfigurationError as exc:
         sys.exit(f"ec-cache: invalid configuration\n  {exc}")
+    if arguments.check:
+        print(f"ec-cache {__version__}: settings ok")
+        sys.exit(run_checks(settings, app))
+    try:  # before anything in it is touched, and held until the process ends
+        app.state.store.disk.claim()
+    except DataDirError as exc:
+        sys.exit(f"ec-cache: {exc}")
     backend = f"S3 {settings.s3_endpoint_url}" if settings.s3_enabled else "disk only"
     log.info(
-        "ec-cache on http://%s:%d (data: %s, %s)",
+        "ec-cache %s on http://%s:%d (data: %s, %s)",
+        __version__,
         settings.host,
         settings.port,
         settings.data_dir.resolve(),

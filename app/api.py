@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from app import __version__
 from app.auth import Authenticator, Principal, Scope
 from app.store import Store
 
@@ -47,9 +48,9 @@ StoreDep = Annotated[Store, Depends(get_store)]
 router = APIRouter(redirect_slashes=False)
 
 
-@router.api_route("/healthz", methods=["GET", "HEAD"], summary="Liveness")
+@router.api_route("/healthz", methods=["GET", "HEAD"], summary="Liveness, and the version")
 async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+    return {"status": "ok", "version": __version__}
 
 
 @router.api_route(

@@ -18,6 +18,8 @@ from app.errors import ECError
 from app.metrics import Metrics
 
 JSON_MEDIA_TYPE = "application/json"
+#: A HEAD answer's error, ``code: message``, since it carries no body (``curl -I``, the SDK).
+ERROR_HEADER = "X-EC-Error"
 
 
 def error_document(code: str, message: str, part: str | None = None) -> bytes:
@@ -60,6 +62,9 @@ def error_response(
     # close the connection rather than parse them as the next request.
     if request.method in ("PUT", "POST") and not getattr(request.state, "body_consumed", False):
         headers["Connection"] = "close"
+    if request.method == "HEAD":
+        text = f"{code}: {message}"[:1000].encode("ascii", "backslashreplace").decode("ascii")
+        headers[ERROR_HEADER] = "".join(c if c.isprintable() else " " for c in text)
     return json_error(status, code, message, part, headers)
 
 

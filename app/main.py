@@ -22,10 +22,11 @@ from app.metrics import ClaimMetrics, Metrics
 from app.middleware import EdgeMiddleware
 from app.namespaces_api import router as namespaces_router
 from app.openapi import openapi_builder
-from app.settings import Settings
+from app.settings import Settings, WriteMode
 from app.store import Store
 from app.tiers.disk import DiskTier
 from app.tiers.s3 import S3Backend
+from app.write_policy import DiskOnlyPolicy, WriteBackPolicy, WritePolicy, WriteThroughPolicy
 
 
 async def _ec_error(request: Request, exc: Exception) -> Response:
@@ -106,6 +107,17 @@ def _s3_backend(settings: Settings, metrics: Metrics) -> S3Backend | None:
     return S3Backend.from_settings(settings, registry=metrics.registry)
 
 
+def _write_policy(
+    settings: Settings, disk: DiskTier, s3: S3Backend | None, metrics: Metrics
+) -> WritePolicy:
+    """The one write policy of this server (``app.write_policy``)."""
+    if s3 is None:
+        return DiskOnlyPolicy()
+    if settings.write_mode is WriteMode.WRITE_BACK:
+        return WriteBackPolicy(settings, disk, s3, metrics.registry)
+    return WriteThroughPolicy(disk, s3)
+
+
 def create_app(settings: Settings | None = None) -> ECApp:
     """Build the app; tiers are created here and started by the lifespan.
 
@@ -122,7 +134,8 @@ def create_app(settings: Settings | None = None) -> ECApp:
     )
     metrics.watch_disk(disk.stats)
     metrics.watch_namespaces(disk.holds_namespace, lambda: disk.namespaces()[0])
-    store = Store(settings, disk, metrics, _s3_backend(settings, metrics))
+    s3 = _s3_backend(settings, metrics)
+    store = Store(settings, disk, metrics, s3, _write_policy(settings, disk, s3, metrics))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ app`` through :class:`ConnectionMetrics`.
 
 from __future__ import annotations
 
+import platform
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -19,10 +20,14 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
+    ProcessCollector,
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from app import __version__
 
 if TYPE_CHECKING:  # metrics import no tier: every tier may import metrics
     from app.tiers.disk import DiskStats, NamespaceUsage
@@ -66,6 +71,12 @@ class Metrics:
     def __init__(self, namespaces: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.max_namespaces = namespaces
+        # process_*: resident memory, open fds, CPU seconds, start time (the default
+        # registry's collector, which this registry does not inherit).
+        ProcessCollector(registry=self.registry)
+        Info(
+            "ec_build", "The server's version, one series of value 1.", registry=self.registry
+        ).info({"version": __version__, "python": platform.python_version()})
         self._namespace_lookups: _NamespaceLookups | None = None
         self.requests = Counter(
             "ec_http_requests",
@@ -215,7 +226,8 @@ class S3Metrics:
         self.registry = reg
         self.requests = Counter(
             "ec_s3_requests_total",
-            "S3 requests by operation and outcome (ok, not_found, error, unavailable)",
+            "S3 requests by operation and outcome (ok, not_found, exists: a conditional write "
+            "found the key taken, error, unavailable)",
             ["operation", "outcome"],
             registry=reg,
         )
@@ -252,7 +264,7 @@ class ReadThroughMetrics:
         )
         self.fills = Counter(
             "ec_s3_fills",
-            "S3 -> disk copies by outcome (committed, not_found, failed, exists).",
+            "S3 -> disk copies by outcome (committed, not_found, failed, exists, abandoned).",
             ["outcome"],
             registry=registry,
         )
@@ -318,7 +330,8 @@ class UploadQueueMetrics:
         self.oldest.set_function(oldest_age)
         self.uploads = Counter(
             "ec_s3_uploads",
-            "Write-back upload attempts by outcome (ok, retry, dropped).",
+            "Write-back upload attempts by outcome (ok, retry, dropped; lost: S3 held another "
+            "body, which replaced this replica's copy).",
             ["outcome"],
             registry=registry,
         )
@@ -336,7 +349,13 @@ class UploadQueueMetrics:
 
 
 #: Why ``app.http_protocol.guarded`` closes a connection (the label values of its counter).
-CONNECTION_DROP_REASONS = ("limit", "idle", "header_timeout", "send_timeout")
+CONNECTION_DROP_REASONS = (
+    "limit",
+    "idle",
+    "header_timeout",
+    "headers_too_large",
+    "send_timeout",
+)
 
 
 class ConnectionMetrics:
@@ -348,6 +367,7 @@ class ConnectionMetrics:
             "ec_connections_dropped",
             "Connections closed by the server's bounds: limit (over EC_MAX_CONNECTIONS), "
             "idle (EC_KEEPALIVE_TIMEOUT), header_timeout (EC_HEADER_TIMEOUT), "
+            "headers_too_large (a head past EC_MAX_HEADER_BYTES while it arrived), "
             "send_timeout (EC_SEND_TIMEOUT).",
             ["reason"],
             registry=registry,

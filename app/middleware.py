@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import time
+from urllib.parse import quote
 
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -26,6 +27,9 @@ MAX_TARGET_BYTES = 2048
 #: The body of any request but an upload (a PUT to ``/ec/``): JSON that its route reads
 #: whole into memory (a batch exists of 1000 hashes of 256 characters is about 260 KB).
 MAX_SMALL_BODY_BYTES = 1024 * 1024
+#: What an access line leaves unquoted in a path: RFC 3986's path characters. A space,
+#: a control character (``%0A`` would start a forged line) or a ``%`` is quoted.
+_PATH_SAFE = "/:@!$&'()*+,;=~"
 
 
 def _refusal(status: int, code: str, message: str, retry_after: int = 0) -> Response:
@@ -154,10 +158,10 @@ class EdgeMiddleware:
 
     def _record(self, scope: Scope, status: int, sent: int, received: int, seconds: float) -> None:
         method = scope["method"]
-        path = scope["path"]
-        self.metrics.request(route_label(method, path), method, status, seconds)
+        self.metrics.request(route_label(method, scope["path"]), method, status, seconds)
         if not access_log.isEnabledFor(logging.INFO):
             return
+        path = quote(scope["path"], safe=_PATH_SAFE)  # decoded by uvicorn: quoted again
         cache = scope["state"].get("cache")
         client = scope.get("client")
         request_id = scope["state"]["request_id"]

@@ -12,7 +12,7 @@ batched ``DeleteObjects`` of up to 1000 keys. It runs in the background and is
 * **safe under traffic**: while it runs, reads of the namespace are misses, writes
   answer 503 with ``Retry-After`` and pending write-back uploads of it are dropped (no
   new one starts); those in flight are waited for before its objects are deleted, and
-  owe a journaled delete of their own (``app.tiers.upload_queue``), so nothing of the
+  owe a journaled delete of their own (``app.tiers.upload_scheduler``), so nothing of the
   namespace is served, written back or re-filled behind the purge; other namespaces are
   not touched. S3 failures are retried with backoff (the job stays ``running`` and says
   why in ``last_error``);
@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,11 +41,11 @@ import anyio.to_thread
 from app.errors import ECError
 from app.keys import DTYPES, EntryKey
 from app.retries import backoff
-from app.tiers.base import Backend
+from app.tiers.base import BackendAdmin, RemoteTier
 from app.tiers.disk import DiskTier
-from app.tiers.disk.file_sync import fsync_dir
+from app.tiers.disk.file_sync import write_durably
 from app.tiers.read_through import ReadThrough
-from app.tiers.upload_queue import UploadQueue
+from app.write_policy import WritePolicy
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +96,15 @@ class Purges:
         self,
         data_dir: Path,
         disk: DiskTier,
-        s3: Backend | None,
+        s3: RemoteTier | None,
         read_through: ReadThrough | None,
-        uploads: UploadQueue | None,
+        writes: WritePolicy,
     ) -> None:
         self.directory = data_dir / "purges"
         self.disk = disk
         self.s3 = s3
         self.read_through = read_through
-        self.uploads = uploads
+        self.writes = writes
         self.jobs: dict[str, PurgeJob] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # (model, dtype or None) of running jobs: checked on every entry request.
@@ -226,8 +225,7 @@ class Purges:
         """Drop the namespace's write-back uploads; wait for those in flight, whose
         objects owe a journaled delete: what they store is in S3 before the namespace's
         objects are deleted, and deleted again on its own if need be."""
-        if self.uploads is not None:
-            await self.uploads.delete_namespace(job.covers)
+        await self.writes.before_purge(job.covers)
 
     async def _purge_disk(self, job: PurgeJob) -> None:
         entries, nbytes = await anyio.to_thread.run_sync(self.disk.purge, job.model, job.dtype)
@@ -235,7 +233,7 @@ class Purges:
         job.disk_bytes += nbytes
         job.updated_at = time.time()
 
-    async def _purge_s3_prefix(self, s3: Backend, job: PurgeJob, dtype: str) -> None:
+    async def _purge_s3_prefix(self, s3: BackendAdmin, job: PurgeJob, dtype: str) -> None:
         prefix = s3.namespace_prefix(job.model, dtype)
         while True:
             objects, marker = await s3.list_page(
@@ -267,14 +265,7 @@ class Purges:
 
     def _save(self, job: PurgeJob) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{job.id}.json"
-        temp = path.with_suffix(".tmp")
-        with open(temp, "w", encoding="utf-8") as out:
-            json.dump(job.public(), out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.rename(temp, path)
-        fsync_dir(self.directory)
+        write_durably(self.directory / f"{job.id}.json", json.dumps(job.public()).encode())
 
     def _forget_old(self) -> None:
         finished = sorted(
@@ -309,7 +300,7 @@ async def disk_page(
 
 
 async def s3_page(
-    s3: Backend, model: str, dtype: str, after: str | None, limit: int
+    s3: RemoteTier, model: str, dtype: str, after: str | None, limit: int
 ) -> tuple[list[dict[str, Any]], str | None]:
     """A page of the namespace's objects in S3; shapes from each object's metadata."""
     prefix = s3.namespace_prefix(model, dtype)

@@ -14,6 +14,7 @@ A HEAD sends the headers only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from starlette.responses import Response
@@ -47,27 +48,41 @@ class EntryResponse(Response):
         else:
             assert body.chunks is not None
             # A client that is gone (or dropped by EC_SEND_TIMEOUT) makes uvicorn's send
-            # a no-op: stop pulling chunks then, so the download slot is freed at once.
-            gone = asyncio.Event()
-            watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
+            # a no-op: stop the relay then, even while it waits for the next chunk, so
+            # the download slot is freed and the read-through learns it at once.
+            relay = asyncio.ensure_future(_relay(scope, body, send))
+            watcher = asyncio.ensure_future(_watch_disconnect(receive))
             try:
-                async for chunk in body.chunks:
-                    if gone.is_set():
-                        log.info("client of %s is gone: stopped sending", scope["path"])
-                        return
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except ECError as exc:
-                # Headers are out: the only honest signal left is an incomplete body.
-                # Returning without the final message makes uvicorn drop the connection.
-                log.warning("stopped sending %s after the headers: %s", scope["path"], exc)
-                return
+                await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
+                if not relay.done():
+                    log.info("client of %s is gone: stopped sending", scope["path"])
+                    relay.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await relay
+                    return
+                if not relay.result():
+                    return
             finally:
+                relay.cancel()
                 watcher.cancel()
                 await body.aclose()
             await send({"type": "http.response.body", "body": b""})
 
 
-async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+async def _relay(scope: Scope, body: EntryBody, send: Send) -> bool:
+    """Send the chunks of ``body``; False when it broke off after the headers."""
+    assert body.chunks is not None
+    try:
+        async for chunk in body.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except ECError as exc:
+        # Headers are out: the only honest signal left is an incomplete body.
+        # Returning without the final message makes uvicorn drop the connection.
+        log.warning("stopped sending %s after the headers: %s", scope["path"], exc)
+        return False
+    return True
+
+
+async def _watch_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    gone.set()

@@ -21,6 +21,8 @@ MAX_HEADER_BYTES = 64 * 1024
 PREFIX_BYTES = 8
 
 _NAME_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+# What a body that is no safetensors file at all most likely needs (curl -d strips newlines).
+_NOT_SAFETENSORS = "not a safetensors file; send the file as it is, e.g. curl --data-binary @FILE"
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ def read_header_length(prefix: bytes | bytearray | memoryview) -> int:
         raise InvalidBody(f"safetensors header length {length} is too small")
     if length > MAX_HEADER_BYTES:
         raise InvalidBody(
-            f"safetensors header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit"
+            f"{_NOT_SAFETENSORS} (its first 8 bytes give a header length of {length}, "
+            f"over the {MAX_HEADER_BYTES}-byte limit)"
         )
     return int(length)
 
@@ -165,7 +168,7 @@ def _parse_header(raw: bytes | bytearray | memoryview, expected_dtype: str) -> T
     # safetensors 0.8 still skips leading whitespace but has long meant to refuse it
     # (its InvalidHeaderStart); every writer starts with "{", so require it already.
     if bytes(raw[:1]) != b"{":
-        raise InvalidBody("safetensors header must start with '{'")
+        raise InvalidBody(f"{_NOT_SAFETENSORS} (its header must start with '{{')")
     header = _load_json(raw)
     if not isinstance(header, dict):
         raise InvalidBody("safetensors header must be a JSON object")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -81,6 +83,14 @@ class Settings(BaseSettings):
     s3_multipart_part_size: ByteSize = Field(default=16 * 1024**2, ge=5 * 1024**2)
     s3_multipart_concurrency: int = Field(default=4, ge=1, le=64)
     s3_get_chunk_size: ByteSize = Field(default=4 * 1024**2, ge=64 * 1024)
+    #: A read-through GET of an object larger than one part is read as concurrent
+    #: ranged GETs of this size, this many at once (1: one GET per object); at most
+    #: their product is held in memory per read (app/tiers/s3/ranged_get.py).
+    s3_get_part_size: ByteSize = Field(default=8 * 1024**2, ge=256 * 1024)
+    s3_get_concurrency: int = Field(default=8, ge=1, le=64)
+    #: Bytes of ranged parts received ahead of their turn, all read-throughs together;
+    #: when spent, a read-through reads one part at a time.
+    s3_get_buffer_bytes: ByteSize = Field(default=512 * 1024**2, ge=0)
     #: After S3 failed as unreachable, answer 503 at once for this long (and advertise it
     #: in Retry-After) instead of waiting for a timeout on every request.
     s3_unavailable_cooldown: float = Field(default=2.0, gt=0, le=300)
@@ -130,8 +140,9 @@ class Settings(BaseSettings):
     header_timeout: float = Field(default=10.0, gt=0)
     #: A client that accepts no response bytes for this long is dropped.
     send_timeout: float = Field(default=30.0, gt=0)
-    #: SIGTERM: stop accepting, then wait this long for in-flight requests.
-    shutdown_timeout: int = Field(default=30, ge=0)
+    #: SIGTERM: stop accepting, then wait this long (seconds, fractions too: the Helm
+    #: chart's schema takes any number) for in-flight requests.
+    shutdown_timeout: float = Field(default=30.0, ge=0)
 
     # claims on missing keys (app/claims.py: one engine encodes, the others wait)
     #: The longest lease a claim may get, whatever its claimer asks (seconds).
@@ -181,3 +192,72 @@ class Settings(BaseSettings):
         if not tokens_configured and self.listens_on_loopback_only:
             return AnonymousAccess.ADMIN
         return AnonymousAccess.NONE
+
+
+#: ``EC_*`` names read by something else than the server: the SDK and its CLI (a shell
+#: may hold both), and the test suite's ``EC_TEST_*``.
+NOT_SERVER_NAMES = frozenset({"EC_CACHE_URL", "EC_CACHE_MODEL", "EC_CACHE_DTYPE", "EC_CACHE_TOKEN"})
+NOT_SERVER_PREFIX = "EC_TEST_"
+#: Names docker-compose.yml reads that look like server settings, and what to set.
+COMPOSE_ONLY_NAMES = {
+    "EC_S3_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+    "EC_S3_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+}
+
+
+def setting_names() -> list[str]:
+    """Every ``EC_*`` variable the server reads."""
+    prefix = Settings.model_config.get("env_prefix", "")
+    return [prefix + name.upper() for name in Settings.model_fields]
+
+
+def _shown_size(size: int) -> str:
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
+
+
+def setting_defaults() -> list[tuple[str, str]]:
+    """``(variable, default as it would be written)`` for every setting."""
+    shown = []
+    for name, variable in zip(Settings.model_fields, setting_names(), strict=True):
+        field = Settings.model_fields[name]
+        default = field.default
+        is_size = any(getattr(meta, "func", None) is parse_size for meta in field.metadata)
+        if default is None:
+            text = "unset"
+        elif is_size:
+            text = _shown_size(default)
+        elif isinstance(default, bool):
+            text = str(default).lower()
+        elif isinstance(default, float):
+            text = f"{default:g}"
+        else:
+            text = str(default)
+        shown.append((variable, text))
+    return shown
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``EC_*`` variable in ``environ`` that is no setting (and so is
+    ignored): a misspelling names the settings it is close to."""
+    names = setting_names()
+    known = set(names)
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()  # pydantic-settings reads the names case-insensitively
+        if not upper.startswith("EC_") or upper in known or upper in NOT_SERVER_NAMES:
+            continue
+        if upper.startswith(NOT_SERVER_PREFIX):
+            continue
+        if upper in COMPOSE_ONLY_NAMES:
+            warnings.append(
+                f"{name} is read by docker-compose.yml, not by the server: the server takes "
+                f"S3 credentials from the AWS chain ({COMPOSE_ONLY_NAMES[upper]}, ...)"
+            )
+            continue
+        close = difflib.get_close_matches(upper, names, n=2, cutoff=0.8)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        warnings.append(f"{name} is not a setting and is ignored{hint}")
+    return warnings

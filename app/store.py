@@ -3,10 +3,11 @@ requests (usage, listing, purges: ``app.namespaces``).
 
 Routes talk only to this class (``tests/unit/test_structure.py`` checks). It validates
 bodies as they stream in, decides which tier answers, and keeps slow file work off the
-event loop. Like bazel-remote's disk
-cache in front of its proxy, the store owns read-through (``app.tiers.read_through``)
-and write-through / write-back (here and ``app.tiers.upload_queue``) and calls the
-backend (``app.tiers.base.Backend``, the S3 backend when configured) for the rest.
+event loop. Like bazel-remote's disk cache in front of its proxy, the store owns
+read-through (``app.tiers.read_through``) and calls the backend
+(``app.tiers.base.Backend``, the S3 backend when configured) for the rest; what a
+validated body becomes, and the remote side of a DELETE, is the write policy's
+(``app.write_policy``), chosen once by ``create_app``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,14 +25,13 @@ from app.errors import ECError, InvalidRequest, NotFound, Unavailable
 from app.keys import EntryKey
 from app.metrics import Metrics
 from app.namespaces import PurgeJob, Purges, disk_page, s3_page
-from app.safetensors_format import BodyValidator, TensorHeader
-from app.settings import Settings, WriteMode
-from app.tiers.base import Backend, EntryBody, EntryInfo
-from app.tiers.disk import DiskStats, DiskTier, NamespaceUsage, PendingWrite
+from app.safetensors_format import BodyValidator
+from app.settings import Settings
+from app.tiers.base import EntryBody, EntryInfo, RemoteTier
+from app.tiers.disk import DiskStats, DiskTier, NamespaceUsage
 from app.tiers.overlapped import OverlappedWrite
 from app.tiers.read_through import ReadThrough
-from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
-from app.tiers.write_through import WriteThrough
+from app.write_policy import WritePolicy
 
 #: Received chunks are batched into writes of about this size, each in a writer thread
 #: while the next batch is received (a write can stall behind a file-system journal
@@ -59,7 +59,8 @@ class Store:
         settings: Settings,
         disk: DiskTier,
         metrics: Metrics,
-        s3: Backend | None = None,
+        s3: RemoteTier | None,
+        writes: WritePolicy,
     ) -> None:
         self.settings = settings
         self.disk = disk
@@ -72,33 +73,17 @@ class Store:
             if s3 is not None
             else None
         )
-        self.uploads: UploadQueue | None = None
-        if s3 is not None and settings.write_mode is WriteMode.WRITE_BACK:
-            self.uploads = UploadQueue(
-                settings.data_dir,
-                disk,
-                self._upload_pending,
-                s3.delete,
-                max_entries=settings.writeback_queue_max_entries,
-                max_bytes=settings.writeback_max_bytes,
-                workers=settings.writeback_workers,
-                retry_min=settings.writeback_retry_min,
-                retry_max=settings.writeback_retry_max,
-                registry=metrics.registry,
-            )
-        self.purges = Purges(settings.data_dir, disk, s3, self.read_through, self.uploads)
+        self.writes = writes
+        self.purges = Purges(settings.data_dir, disk, s3, self.read_through, writes)
         if s3 is not None:
             metrics.watch_s3(lambda: s3.up)
 
     async def start(self) -> None:
         # Running purges guard their namespaces before any request is answered.
         await anyio.to_thread.run_sync(self.purges.load)
-        if self.uploads is not None:  # pin pending uploads before anything is evicted
-            await anyio.to_thread.run_sync(self.uploads.load)
+        await anyio.to_thread.run_sync(self.writes.load)
         await anyio.to_thread.run_sync(self.disk.rebuild)
-        if self.uploads is not None:
-            await anyio.to_thread.run_sync(self.uploads.reconcile)
-            await self.uploads.start()
+        await self.writes.start()
         if self.s3 is not None:
             await self.s3.start()
         await self.purges.start()
@@ -106,8 +91,7 @@ class Store:
     async def stop(self) -> None:
         """Stop background work; pending write-back uploads stay in the journal."""
         await self.purges.stop()
-        if self.uploads is not None:
-            await self.uploads.stop(self.settings.writeback_drain_timeout)
+        await self.writes.stop(self.settings.writeback_drain_timeout)
         if self.read_through is not None:
             self.read_through.stop()
         if self.s3 is not None:
@@ -157,16 +141,25 @@ class Store:
         return info
 
     async def exists(self, key: EntryKey) -> bool:
+        """Whether a PUT of ``key`` would store nothing (``If-None-Match: *``). While S3
+        is unreachable write-back answers from its disk and journal (absent unless here):
+        the upload settles a race with another replica later, as any upload does."""
         if self.purges.blocks(key):
             return False
         if self.disk.contains(key):
             return True
-        return self.s3 is not None and not self._s3_hidden(key) and await self.s3.contains(key)
+        if self.s3 is None or self._s3_hidden(key):
+            return False
+        try:
+            return await self.s3.contains(key)
+        except Unavailable:
+            if not self.writes.decides_without_s3:
+                raise
+            return False
 
     def _s3_hidden(self, key: EntryKey) -> bool:
-        """Whether the key's S3 object must not be read: a DELETE of it is journaled
-        and its S3 delete not confirmed yet (write-back)."""
-        return self.uploads is not None and self.uploads.hides(key)
+        """Whether the key's S3 object must not be read: a DELETE of it is not over."""
+        return self.writes.hiding and self.writes.hides(key)
 
     async def exists_many(self, model: str, dtype: str, hashes: Sequence[str]) -> list[bool]:
         """Presence of many validated hashes of one model and dtype, in order. Keys are
@@ -184,7 +177,7 @@ class Store:
                 return await s3.contains(key)
 
         missing = [index for index, found in enumerate(present) if not found]
-        if self.uploads is not None and self.uploads.deletes_pending:
+        if self.writes.hiding:
             missing = [i for i in missing if not self._s3_hidden(EntryKey(model, dtype, hashes[i]))]
         answers = await asyncio.gather(
             *(check(EntryKey(model, dtype, hashes[index])) for index in missing)
@@ -211,7 +204,7 @@ class Store:
         the caller has just found the entry in no tier (``If-None-Match: *``).
         """
         self._refuse_if_purging(key)
-        stream = self._write_through(key, declared_length, expected_crc, known_absent)
+        stream = self.writes.stream(key, declared_length, expected_crc, known_absent)
         validator = BodyValidator(
             key.dtype,
             max_bytes=self.settings.max_body_bytes,
@@ -219,10 +212,8 @@ class Store:
             declared_length=declared_length,
         )
         # Refused here, before any body byte is read, when it cannot fit; the temp file
-        # is created in a writer thread while the first batch comes in. In write-through
-        # mode the disk copy is committed only once S3 holds the entry: not durable.
-        write_through_mode = self.s3 is not None and self.uploads is None
-        pending = self.disk.reserve_write(key, declared_length, durable=not write_through_mode)
+        # is created in a writer thread while the first batch comes in.
+        pending = self.disk.reserve_write(key, declared_length, durable=self.writes.durable)
         body_file = OverlappedWrite(pending, self._writer)
         try:
             body_file.create()
@@ -245,10 +236,8 @@ class Store:
                 await body_file.write(batch)
             await body_file.flush()
             header = validator.finish()
-            if stream is not None:
-                created = await self._commit_streamed(stream, key, pending, validator.crc, header)
-            else:
-                created = await self._commit(key, pending, validator.crc, header)
+            self._refuse_if_purging(key)  # a purge may have started while the body came in
+            created = await self.writes.commit(key, pending, validator.crc, header, stream)
         finally:
             # Also runs on cancellation (client gone): remove the temp file at once,
             # withdraw the upload.
@@ -266,44 +255,6 @@ class Store:
             return PutResult(False, validator.received, validator.crc)
         return PutResult(False, stored.size, stored.crc32c)
 
-    def _write_through(
-        self,
-        key: EntryKey,
-        declared_length: int | None,
-        expected_crc: int | None,
-        known_absent: bool,
-    ) -> WriteThrough | None:
-        """The overlapped upload of a write-through PUT, when it can be streamed: length
-        and CRC32C known up front, entry not on disk already."""
-        if (
-            self.s3 is None
-            or self.uploads is not None
-            or declared_length is None
-            or expected_crc is None
-            or self.disk.contains(key)
-        ):
-            return None
-        return WriteThrough(self.s3, key, declared_length, expected_crc, known_absent=known_absent)
-
-    async def _commit_streamed(
-        self,
-        stream: WriteThrough,
-        key: EntryKey,
-        pending: PendingWrite,
-        crc: int,
-        header: TensorHeader,
-    ) -> bool:
-        """Commit a write-through PUT whose upload overlapped the receive."""
-        self._refuse_if_purging(key)
-        if await stream.present():
-            return False  # another replica wrote it first: theirs is the entry
-        if stream.upload is None:  # not streamed (too large): upload the temp file now
-            assert self.s3 is not None
-            await self.s3.put_file(key, pending.path, crc, header)
-        else:
-            await stream.finish()
-        return await anyio.to_thread.run_sync(pending.commit, crc, header)
-
     async def _stored_info(self, key: EntryKey) -> EntryInfo | None:
         """The stored entry's description, for a PUT that stored nothing."""
         info = self.disk.info(key)
@@ -318,98 +269,19 @@ class Store:
                 info = await self.read_through.head(key)
         return info
 
-    async def _commit(
-        self, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
-    ) -> bool:
-        """Publish a validated temp file to the tiers the write mode asks for."""
-        self._refuse_if_purging(key)  # a purge may have started while the body came in
-        if self.s3 is None or self.disk.contains(key):
-            # Disk only, or already here (and so in S3 or queued for it): disk decides.
-            # Should the entry here go before the batch, this body becomes the entry,
-            # and S3 may not have it: durable, whatever the mode.
-            pending.durable = True
-            return await _durable(pending.submit(crc, header))
-        if self.uploads is not None:
-            # A key the queue holds already (a PUT committing, a delete owed, which must
-            # go first) shares its record, over the bounds if need be.
-            if self.uploads.contains(key) or self.uploads.has_room(pending.written):
-                return await self._commit_write_back(self.uploads, key, pending, crc, header)
-            self.uploads.metrics.full.inc()  # never drop: fall back to write-through
-        return await self._commit_write_through(self.s3, key, pending, crc, header)
-
-    async def _commit_write_through(
-        self, s3: Backend, key: EntryKey, pending: PendingWrite, crc: int, header: TensorHeader
-    ) -> bool:
-        """201 only once S3 has the object; on any S3 failure nothing is stored."""
-        if await s3.contains(key):
-            return False  # another replica wrote it first: theirs is the entry
-        await s3.put_file(key, pending.path, crc, header)
-        return await anyio.to_thread.run_sync(pending.commit, crc, header)
-
-    async def _commit_write_back(
-        self,
-        uploads: UploadQueue,
-        key: EntryKey,
-        pending: PendingWrite,
-        crc: int,
-        header: TensorHeader,
-    ) -> bool:
-        """Journal the upload, then commit to disk (pinned until uploaded)."""
-        item = uploads.reserve(key, pending.written, crc)
-        try:
-            # Every PUT stages the (identical) record itself: whichever commits first,
-            # its record is durable before its entry is visible (same group commit).
-            # Creating a file can wait for a journal commit: a writer thread does it, and
-            # the record staged is handed to the commit even if the PUT goes away.
-            staging = self._writer.submit(uploads.stage_record, item)
-            with anyio.CancelScope(shield=True):
-                record = await asyncio.wrap_future(staging)
-            return await _durable(pending.submit(crc, header, (record,)))
-        finally:
-            uploads.release(item, on_disk=self.disk.contains(key))
-
     def _refuse_if_purging(self, key: EntryKey) -> None:
         if self.purges.blocks(key):
             raise Unavailable(
                 f"namespace {key.model}/{key.dtype} is being purged: retry later", retry_after=5
             )
 
-    async def _upload_pending(self, item: PendingUpload) -> None:
-        """The write-back queue's upload: disk entry (verified) -> S3."""
-        assert self.s3 is not None
-        if self.purges.blocks(item.key):
-            raise EntryGone("its namespace is being purged")
-        opened = self.disk.open(item.key)
-        if opened is None:
-            raise EntryGone("not on disk any more")
-        view = opened.view
-        try:
-            if not opened.verified:
-                checked = await anyio.to_thread.run_sync(self.disk.verify, opened)
-                if checked is None:
-                    raise EntryGone("its bytes on disk are corrupt (entry dropped)")
-            entry = opened.entry
-            path, crc, header = entry.path, entry.crc32c, entry.header
-        finally:
-            view.close()
-        assert header is not None
-        if await self.s3.contains(item.key):
-            return  # first writer wins: another replica uploaded it already
-        await self.s3.put_file(item.key, path, crc, header)
-
     async def delete(self, key: EntryKey) -> None:
-        """Remove from every tier. In write-back mode the S3 delete is owed through the
-        upload queue: journaled before the disk copy goes (from then on the S3 object
-        is hidden from reads), sent at once unless an upload of the key is in flight
-        (then right after it), retried until S3 confirms."""
-        item = await self.uploads.mark_deleted(key) if self.uploads is not None else None
-        if self.read_through is not None:
-            await self.read_through.settle(key)
-        await anyio.to_thread.run_sync(self.disk.delete, key)
-        if self.uploads is not None and item is not None:
-            await self.uploads.delete_now(item)
-        elif self.s3 is not None:
-            await self.s3.delete(key)
+        """Remove from every tier: the disk copy here, once the fills of the key in
+        flight are over; the S3 object as the write policy says (at once, or owed)."""
+        async with self.writes.deleting(key):
+            if self.read_through is not None:
+                await self.read_through.settle(key)
+            await anyio.to_thread.run_sync(self.disk.delete, key)
 
     # -- namespaces -----------------------------------------------------------------
 
@@ -460,14 +332,9 @@ class Store:
         }
         if self.s3 is not None and self.read_through is not None:
             result["s3"] = {**self.s3.describe(), **self.read_through.describe()}
-        if self.uploads is not None:
-            result["upload_queue"] = {
-                "entries": len(self.uploads),
-                "deletes": self.uploads.deletes_pending,
-                "bytes": self.uploads.pending_bytes,
-                "max_entries": self.uploads.max_entries,
-                "max_bytes": self.uploads.max_bytes,
-            }
+        queue = self.writes.describe()
+        if queue is not None:
+            result["upload_queue"] = queue
         return result
 
     async def readiness(self) -> dict[str, str]:
@@ -477,14 +344,6 @@ class Store:
             checks["s3"] = await self.s3.readiness()
         self.metrics.readiness(all(result == "ok" for result in checks.values()))
         return checks
-
-
-async def _durable(commit: Future[bool]) -> bool:
-    """Wait for a group commit. Shielded: a PUT whose client goes away meanwhile still
-    waits for the batch, so what it reserved is released only once the outcome is known."""
-    with anyio.CancelScope(shield=True):
-        created = await asyncio.wrap_future(commit)
-    return created
 
 
 def _check_writable(disk: DiskTier) -> str:

@@ -20,9 +20,11 @@ keep-alive connection each):
   Through the SDK, and through urllib3 streaming (``read(1)`` then the rest) for the
   time to first body byte (TTFB), against boto3 ``get_object`` (``Body.read(1)`` then
   the rest: the same urllib3 underneath);
-* the same SDK and boto3 GETs **behind an S3 link of bounded rate** (``LINK_RATES``,
-  ``s3_link.ShapedLink``), where ``tc`` allows: S3 then answers at a network's pace, as
-  it does in production, rather than at a loopback copy's;
+* the same SDK and boto3 GETs **behind S3's per-connection link** (``LINK_RATES``:
+  each connection at ~90 MB/s behind a 10 Gbit/s node link, ``s3_link.ConnectionLink``),
+  where ``tc`` allows: S3 then answers each connection at its production pace rather
+  than at a loopback copy's, and the read-through's ranged parts (one connection each)
+  count. ``python -m bench.s3_readthrough`` compares it with boto3's TransferManager;
 * the same TTFB **with the client on a core of its own**: with two CPUs, the client and
   the server share one, and a read-through's first bytes wait for the client to win
   that core back from the server's fill (about 1 ms on this VM: measured from the
@@ -68,10 +70,9 @@ SDK_S3_GET = "ec-cache SDK GET, S3 hit (read-through)"
 URLLIB3_S3_GET = "ec-cache urllib3 stream, S3 hit (read-through)"
 BOTO3_GET = "boto3 get_object"
 SDK_DISK_GET = "ec-cache SDK GET, disk hit"
-#: S3 link rates (tc syntax) the read-through is measured behind, besides loopback:
-#: 1 Gbit/s is about one AWS S3 connection (AWS suggests one request per 85-90 MB/s),
-#: 2 and 4 Gbit/s shares of an in-cluster MinIO's NIC.
-LINK_RATES = ["1gbit", "2gbit", "4gbit"]
+#: Per-connection rates (tc syntax) of the S3 links the read-through is measured
+#: behind, besides loopback: AWS's ~90 MB/s per connection (``s3_link``).
+LINK_RATES = [s3_link.PER_CONNECTION]
 
 
 # --------------------------------------------------------------------------- isolation
@@ -203,7 +204,7 @@ def run_rounds(
 def _plan(quick: bool) -> tuple[list[Payload], dict[str, tuple[int, int]], list[str]]:
     """Payloads, (requests, rounds) per payload, and the S3 link rates to shape."""
     if quick:
-        return QUICK_PAYLOADS[1:2], {QUICK_PAYLOADS[1].name: (4, 2)}, ["1gbit"]
+        return QUICK_PAYLOADS[1:2], {QUICK_PAYLOADS[1].name: (4, 2)}, LINK_RATES
     payloads = FULL_PAYLOADS[1:4]
     return (
         payloads,
@@ -367,7 +368,7 @@ def _payload(
         # The same two ways to S3's body, behind a link of bounded rate (s3_link).
         entry["get_shaped"] = {}
         for rate in rates:
-            with s3_link.ShapedLink(weed.s3_port, rate):
+            with s3_link.ConnectionLink(weed.s3_port, rate):
                 entry["get_shaped"][rate] = run_rounds(
                     [
                         (Row(BOTO3_GET, lambda: None), boto3_get),
@@ -483,9 +484,9 @@ def _link_line(section_results: dict[str, Any]) -> str:
         return f"S3 link NOT shaped: {section_results['link_not_shaped']}."
     rates = ", ".join(section_results["link_rates"])
     return (
-        f'Rows marked "S3 link": the same GETs with S3\'s traffic limited to {rates} each '
-        'way (`bench/s3_link.py`); "client on its own core": the cold server moved to '
-        "S3's core."
+        f'Rows marked "S3 link": the same GETs with each S3 connection limited to {rates} '
+        f'each way behind a {s3_link.NODE_LINK} node link (`bench/s3_link.py`); "client on '
+        "its own core\": the cold server moved to S3's core."
     )
 
 

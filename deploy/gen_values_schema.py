@@ -206,6 +206,9 @@ schema = {
                         "multipartPartSize": opt_size("EC_S3_MULTIPART_PART_SIZE"),
                         "multipartConcurrency": opt_int("EC_S3_MULTIPART_CONCURRENCY", 1, 64),
                         "getChunkSize": opt_size("EC_S3_GET_CHUNK_SIZE"),
+                        "getPartSize": opt_size("EC_S3_GET_PART_SIZE"),
+                        "getConcurrency": opt_int("EC_S3_GET_CONCURRENCY", 1, 64),
+                        "getBufferBytes": opt_size("EC_S3_GET_BUFFER_BYTES"),
                         "unavailableCooldown": pos_num(
                             "EC_S3_UNAVAILABLE_COOLDOWN (seconds, <= 300)", maximum=300
                         ),
@@ -247,6 +250,10 @@ schema = {
                 "keepaliveTimeout": pos_num("EC_KEEPALIVE_TIMEOUT (seconds)"),
                 "headerTimeout": pos_num("EC_HEADER_TIMEOUT (seconds)"),
                 "sendTimeout": pos_num("EC_SEND_TIMEOUT (seconds)"),
+                "claimMaxLease": pos_num("EC_CLAIM_MAX_LEASE (seconds, <= 3600)", maximum=3600),
+                "claimMaxKeys": opt_int("EC_CLAIM_MAX_KEYS", 1),
+                "claimMaxWaiters": opt_int("EC_CLAIM_MAX_WAITERS", 1),
+                "claimMaxWait": pos_num("EC_CLAIM_MAX_WAIT (seconds, <= 3600)", maximum=3600),
                 "shutdownTimeout": pos_num("EC_SHUTDOWN_TIMEOUT (seconds)", zero=True),
             },
             required=[

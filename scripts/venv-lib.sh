@@ -2,6 +2,8 @@
 # local CPU torch, and pip that never resolves torch itself.
 #
 # Before sourcing: ROOT, VENV, NAME (the prefix of progress lines), TORCH_VERSION.
+# TORCH_INDEX (optional, as for `make`): the index torch comes from, e.g.
+# https://download.pytorch.org/whl/cpu for the CPU build where PyPI's is a CUDA one.
 
 PYTHON="${PYTHON:-python3}"
 
@@ -23,5 +25,5 @@ PY
 # --no-deps or satisfied by it, so pip never pulls a CUDA build of several GB.
 if ! have torch "$TORCH_VERSION"; then
     echo "$NAME: torch==$TORCH_VERSION"
-    "${PIP[@]}" "torch==$TORCH_VERSION"
+    "${PIP[@]}" "torch==$TORCH_VERSION" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 fi

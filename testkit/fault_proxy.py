@@ -18,6 +18,9 @@ each of which can be changed while it runs:
 ``put_gate``
     while it is clear, PUTs wait for it once their body is read (an upload held in
     flight; ``puts_held`` counts those waiting).
+``delete_gate``
+    while it is clear, DELETEs wait for it before they are forwarded (an S3 delete
+    held in flight; ``deletes_held`` counts those waiting).
 ``mode``
     what happens to an ec-cache server's entry GETs (``GET /ec/...``, not ``_exists``):
 
@@ -31,6 +34,11 @@ each of which can be changed while it runs:
 ``exists_delay_s``
     a namespace's questions (``POST .../_exists``, ``_claim``, ``_release``,
     ``_wait``) are forwarded after that long.
+``span_faults[start] = [fault, ...]``
+    the next ranged GETs (S3 parts) whose ``Range`` starts at byte ``start`` meet these
+    faults, one each, in order: ``reset`` (half the answer's body, then a TCP reset),
+    ``500`` (S3's InternalError), ``hold`` (forwarded once ``span_gate`` is set;
+    ``spans_held`` counts those waiting).
 
 Another process (a vLLM engine under test) sets ``mode``, ``delay_s`` and
 ``exists_delay_s`` with ``POST /_fault`` and a JSON object of them.
@@ -51,8 +59,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 MODES = ("pass", "kill", "reset", "503", "corrupt", "slow")
+SPAN_FAULTS = ("reset", "500", "hold")
 CONTROL_PATH = "/_fault"
-S3_ERROR_CODES = {503: "SlowDown", 403: "AccessDenied"}
+S3_ERROR_CODES = {503: "SlowDown", 403: "AccessDenied", 500: "InternalError"}
 UNAVAILABLE = b'{"error": {"code": "unavailable", "message": "S3 unreachable"}}'
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Not passed on when the proxy writes an answer itself: it frames the body its own way.
@@ -90,6 +99,14 @@ class Request:
         )
 
     @property
+    def span_start(self) -> int | None:
+        """Where a ranged GET's ``Range: bytes=a-b`` starts (None: not one)."""
+        value = self.header("range")
+        if self.method != "GET" or not value.startswith("bytes="):
+            return None
+        return int(value[len("bytes=") :].partition("-")[0])
+
+    @property
     def is_entry_get(self) -> bool:
         return self.method == "GET" and self.target.startswith("/ec/") and not self.is_exists
 
@@ -125,6 +142,13 @@ class FaultProxy:
         self.put_gate = threading.Event()
         self.put_gate.set()
         self.puts_held = 0
+        self.delete_gate = threading.Event()
+        self.delete_gate.set()
+        self.deletes_held = 0
+        self.span_faults: dict[int, list[str]] = {}
+        self.span_gate = threading.Event()
+        self.span_gate.set()
+        self.spans_held = 0
         #: Client connections accepted.
         self.connections = 0
         self._requests: list[Request] = []
@@ -210,6 +234,7 @@ class FaultProxy:
         with contextlib.suppress(OSError):
             self._listener.close()
         self.put_gate.set()  # no upload stays held
+        self.span_gate.set()
         self.down = True
 
     def __enter__(self) -> FaultProxy:
@@ -307,8 +332,26 @@ class FaultProxy:
             return False
         if request.method == "PUT" and (not self.put_gate.is_set() or self.failures["PUT"]):
             return self._held_put(conn, reader, request)
+        if request.method == "DELETE" and not self.delete_gate.is_set():
+            with self._lock:
+                self.deletes_held += 1
+            self.delete_gate.wait()
+            with self._lock:
+                self.deletes_held -= 1
         if self._take_failure(request.method):
             return self._answer_s3_error(conn, reader, request)
+        span_fault = self._take_span_fault(request)
+        if span_fault == "500":
+            self._write_s3_error(conn, request, 500)
+            return True
+        if span_fault == "reset":
+            return self._forward_whole(conn, request, b"", cut=True)
+        if span_fault == "hold":
+            with self._lock:
+                self.spans_held += 1
+            self.span_gate.wait()
+            with self._lock:
+                self.spans_held -= 1
         if request.is_exists and self.exists_delay_s:
             time.sleep(self.exists_delay_s)
         mode = self.mode if request.is_entry_get else "pass"
@@ -345,6 +388,12 @@ class FaultProxy:
             self.failures[method] -= 1
             return True
 
+    def _take_span_fault(self, request: Request) -> str | None:
+        start = request.span_start
+        with self._lock:
+            faults = self.span_faults.get(start) if start is not None else None
+            return faults.pop(0) if faults else None
+
     def _control(self, conn: _Conn, reader: _Reader, request: Request) -> bool:
         body = reader.read_body(request)
         try:
@@ -376,15 +425,14 @@ class FaultProxy:
         self._write_s3_error(conn, request)
         return True
 
-    def _write_s3_error(self, conn: _Conn, request: Request) -> None:
+    def _write_s3_error(self, conn: _Conn, request: Request, status: int | None = None) -> None:
+        status = status or self.status
         document = (
             f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>'
-            f"{S3_ERROR_CODES[self.status]}</Code>"
+            f"{S3_ERROR_CODES[status]}</Code>"
             f"<Message>injected by the test</Message></Error>"
         ).encode()
-        self._write_answer(
-            conn, request, self.status, {"Content-Type": "application/xml"}, document
-        )
+        self._write_answer(conn, request, status, {"Content-Type": "application/xml"}, document)
 
     def _answer(
         self,
@@ -406,10 +454,17 @@ class FaultProxy:
         return reader.read_body(request)
 
     def _forward_whole(
-        self, conn: _Conn, request: Request, body: bytes, *, corrupt: bool = False
+        self,
+        conn: _Conn,
+        request: Request,
+        body: bytes,
+        *,
+        corrupt: bool = False,
+        cut: bool = False,
     ) -> bool:
         """The request, its body in hand, on a fresh upstream connection; its whole answer
-        back to the client (with the last byte of a 200's body flipped if ``corrupt``)."""
+        back to the client (with the last byte of a 200's body flipped if ``corrupt``;
+        only half of the body, then a reset, if ``cut``)."""
         headers = {
             k: v for k, v in request.headers.items() if k.lower() not in {"expect", *_FRAMING}
         }
@@ -426,8 +481,12 @@ class FaultProxy:
             upstream.close()
         if corrupt and answer.status == 200 and data:
             data = data[:-1] + bytes([data[-1] ^ 0xFF])
-        self._write_answer(conn, request, answer.status, answer.getheaders(), data, answer.reason)
-        return True
+        self._write_answer(
+            conn, request, answer.status, answer.getheaders(), data, answer.reason, cut=cut
+        )
+        if cut:
+            self._close(conn, reset=True)
+        return not cut
 
     def _write_answer(
         self,
@@ -437,12 +496,16 @@ class FaultProxy:
         headers: dict[str, str] | list[tuple[str, str]],
         body: bytes,
         reason: str = "",
+        *,
+        cut: bool = False,
     ) -> None:
         items = headers.items() if isinstance(headers, dict) else headers
         lines = [f"HTTP/1.1 {status} {reason or http.client.responses.get(status, '')}"]
         lines += [f"{k}: {v}" for k, v in items if k.lower() not in _FRAMING]
         lines.append(f"Content-Length: {len(body)}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        if cut:
+            body = body[: len(body) // 2]
         with conn.lock:
             conn.client.sendall(head if request.method == "HEAD" else head + body)
 

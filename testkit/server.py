@@ -7,6 +7,7 @@ start servers with it too.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import subprocess
@@ -45,6 +46,11 @@ def answers_healthz(port: int) -> bool:
         conn.close()
 
 
+def settings_env(settings: Mapping[str, str | int]) -> dict[str, str]:
+    """``EC_*`` variables of ``settings`` named without the prefix (``log_level``)."""
+    return {f"EC_{name.upper()}": str(value) for name, value in settings.items()}
+
+
 class ServerProcess:
     """``python -m app`` (or another ``command`` that reads ``EC_HOST``/``EC_PORT``, such
     as an installed entry point) with ``EC_*`` settings on top of ``env`` (default: this
@@ -71,7 +77,7 @@ class ServerProcess:
             "EC_PORT": str(self.port),
             "EC_DATA_DIR": str(data_dir),
             "EC_LOG_LEVEL": "warning",
-            **{f"EC_{name.upper()}": str(value) for name, value in settings.items()},
+            **settings_env(settings),
         }
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -96,6 +102,16 @@ class ServerProcess:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"server did not start in {timeout}s:\n{self.log_path.read_text()}")
+
+    def uploads_in_flight(self) -> int:
+        """Entry bodies the server is receiving now (``/stats``: ``writes_in_flight``)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", "/stats")
+            stats = json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+        return int(stats["disk"]["writes_in_flight"])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         if self.proc is None:

@@ -16,6 +16,12 @@ and with no task of its own (loop timers only):
   head (and, for other methods than PUT, its whole body) must be in within this long,
   else 408 ``request_timeout`` and the connection is closed. PUT bodies have their own
   deadlines (``EC_UPLOAD_*``, see ``app.entries``);
+* a bound on a request head while it arrives: once more than ``head_bytes`` of a head
+  (``EC_MAX_HEADER_BYTES``, plus room for the request line) came in without its end,
+  the request is answered 431 ``headers_too_large`` (414 ``uri_too_long`` when the
+  target alone is over its bound) and the connection is closed lingering, as below: a
+  flood of headers costs the server one socket read of memory, not the flood. The exact
+  bounds are the middleware's, once a head is whole (``app.middleware``);
 * a send deadline (``EC_SEND_TIMEOUT``): while response bytes wait in the write buffer,
   the client must accept some within this long, else the connection is dropped (reset).
   A reader that stops reading a large GET then frees its download slot, its task and
@@ -45,8 +51,10 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from uvicorn.server import ServerState
 
 from app.error_responses import raw_error_response
+from app.http_protocol import max_head_bytes
 from app.http_protocol.httptools_protocol import ECHttpToolsProtocol
 from app.metrics import ConnectionMetrics
+from app.middleware import MAX_TARGET_BYTES
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -63,6 +71,7 @@ class ConnectionLimits:
     keepalive_timeout: float
     header_timeout: float
     send_timeout: float
+    max_header_bytes: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
@@ -71,7 +80,12 @@ class ConnectionLimits:
             settings.keepalive_timeout,
             settings.header_timeout,
             settings.send_timeout,
+            settings.max_header_bytes,
         )
+
+    @property
+    def head_bytes(self) -> int:
+        return max_head_bytes(self.max_header_bytes)
 
 
 class GuardedHttpProtocol(ECHttpToolsProtocol):
@@ -100,6 +114,12 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
         self._send_progress = 0.0
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_until = 0.0
+        self._in_head = False  # between a request's first byte and its head's end
+        self._head_began = False  # a head began in the read being parsed
+        # Bytes of the head: what was parsed of the read it began in (where in that
+        # read it began is not known), then every read. Never more than the head, so
+        # never an acceptable head refused; a flood is cut off one read past the bound.
+        self._head_counted = 0
 
     # -- the bound and the idle deadline -------------------------------------------
 
@@ -161,7 +181,41 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
             self._head_timer = self.loop.call_later(
                 self.limits.header_timeout, self._head_timed_out
             )
+        self._head_began = False
         super().data_received(data)
+        if self._in_head:
+            if not self._head_began:  # the whole read is the head's
+                self._head_counted += len(data)
+            else:  # the head began in this read: what of it was parsed
+                self._head_counted = len(self.url) + sum(
+                    len(name) + len(value) + 4 for name, value in self.headers
+                )
+            if self._head_counted > self.limits.head_bytes:
+                self._head_too_large()
+
+    # -- the request-head bound ---------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = self._head_began = True
+        self._head_counted = 0
+
+    def _head_too_large(self) -> None:
+        self._in_head = False
+        self._cancel_head_timer()
+        self.metrics.dropped.labels("headers_too_large").inc()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            self.transport.abort()  # a pipelined head behind an answer still going out
+            return
+        if len(self.url) > MAX_TARGET_BYTES:
+            status, code = 414, "uri_too_long"
+            message = f"request target exceeds {MAX_TARGET_BYTES} bytes"
+        else:
+            status, code = 431, "headers_too_large"
+            message = f"request headers exceed {self.limits.max_header_bytes} bytes"
+        self.transport.write(raw_error_response(status, code, message))
+        self._close_lingering()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -169,6 +223,7 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
             self._head_timer = None
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         super().on_headers_complete()
         if self.scope.get("method") == "PUT":  # upload bodies: app.entries' deadlines
             self._cancel_head_timer()
@@ -207,13 +262,15 @@ class GuardedHttpProtocol(ECHttpToolsProtocol):
     def close_after_response(self, cycle: RequestResponseCycle) -> None:
         """``transport.close()`` of an upload's response cycle: close, or linger while
         the request body is still arriving (see the module docstring)."""
+        if not cycle.response_complete or not cycle.more_body:  # an app that failed
+            self.transport.close()  # mid-answer (drop at once), or nothing to drain
+        else:
+            self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Close after what is buffered, draining what the client still sends."""
         transport = self.transport
-        if (
-            not cycle.response_complete  # an app that failed mid-answer: drop at once
-            or not cycle.more_body
-            or transport.is_closing()
-            or not transport.can_write_eof()
-        ):
+        if transport.is_closing() or not transport.can_write_eof():
             transport.close()
             return
         transport.write_eof()  # after the answer still buffered

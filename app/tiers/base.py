@@ -1,5 +1,7 @@
 """The tiers' vocabulary: what the store hands out (an entry's description and body) and
-the one interface between the store and a remote backend.
+the interfaces between the store and a remote backend: :class:`Backend`, the data path
+(entries), and :class:`BackendAdmin`, what purges, ``/stats``, ``/readyz`` and start-up
+need (namespaces, life cycle); :class:`RemoteTier` is both.
 
 :class:`Backend` plays the part of bazel-remote's ``cache.Proxy``: the local side (the
 store with its disk tier and ``read_through``) owns read-through and write-through and
@@ -107,17 +109,20 @@ class RemotePut(Protocol):
     ``feed`` hands on received chunks (and waits while the backend lags too far
     behind); the backend holds the last bytes back until ``finish``, which the caller
     calls only once it verified the whole body, and which returns once the entry is
-    stored; ``abort`` withdraws the body, leaving nothing. One of the two always."""
+    stored (True), or refused because the key has an entry already (False: first
+    writer wins); ``abort`` withdraws the body, leaving nothing. One of the two always."""
 
     async def feed(self, chunks: Sequence[bytes | memoryview]) -> None: ...
 
-    async def finish(self) -> None: ...
+    async def finish(self) -> bool: ...
 
     async def abort(self) -> None: ...
 
 
 class Backend(Protocol):
-    """Remote persistence behind the disk tier (bazel-remote's ``cache.Proxy``)."""
+    """Remote persistence behind the disk tier (bazel-remote's ``cache.Proxy``): the
+    data path only, entries in and out; what operators and purges need of the same
+    store is :class:`BackendAdmin`."""
 
     #: The ``X-EC-Tier`` of what it serves, and the label of its metrics (``s3``).
     name: str
@@ -136,8 +141,9 @@ class Backend(Protocol):
 
     async def put_file(
         self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
-    ) -> None:
-        """Store a verified local file as the entry; nothing is visible on failure."""
+    ) -> bool:
+        """Store a verified local file as the entry unless the key has one already
+        (False: first writer wins); nothing is visible on failure."""
         ...
 
     def begin_put(
@@ -152,7 +158,12 @@ class Backend(Protocol):
         """Remove an entry; absent entries are fine."""
         ...
 
-    # -- namespaces (listing and purge, by the backend's own names and cursors) -----
+
+class BackendAdmin(Protocol):
+    """The backend as purges, ``/stats``, ``/readyz`` and start-up use it: namespaces
+    by the backend's own names and cursors, and its life cycle."""
+
+    # -- namespaces (listing and purge) ----------------------------------------------
     def namespace_prefix(self, model: str, dtype: str) -> str:
         """The name prefix shared by the entries of one namespace."""
         ...
@@ -183,3 +194,7 @@ class Backend(Protocol):
     def describe(self) -> Mapping[str, object]:
         """A JSON summary for ``/stats``."""
         ...
+
+
+class RemoteTier(Backend, BackendAdmin, Protocol):
+    """A backend with its admin interface: what ``create_app`` builds (``S3Backend``)."""

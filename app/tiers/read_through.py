@@ -18,9 +18,12 @@ fill keeps the last ``RECENT_BYTES`` received), while the store's writer threads
 it to the temp file (``OverlappedWrite``, up to ``RECENT_BYTES`` behind: readers get
 the body at the backend's pace, not the disk's, and neither waits for the clients); a
 reader that falls further behind reads the rest back from the temp file. So N concurrent misses make
-exactly one backend GET, nobody waits for the whole object before the first byte,
-memory per fill is bounded, and a slow or vanished client neither slows nor stops the
-fill (the disk tier is filled anyway).
+exactly one backend read, nobody waits for the whole object before the first byte,
+memory per fill is bounded, and a slow client does not slow the fill (nor the others).
+Once every request that wanted the entry has left (clients gone mid-body), the fill
+stops: the backend's reads in flight are closed (a large S3 object's remaining ranged
+GETs, ``app/tiers/s3/ranged_get.py``) and nothing is kept; the next request starts
+again.
 
 The last chunk is only released after the fill verified the length and CRC32C of the
 whole body, and the entry is committed to disk only then: a corrupt object is never
@@ -100,6 +103,8 @@ class Fill:
         self._reader_file: BinaryIO | None = None
         self._readers = 0
         self._task: asyncio.Task[None] | None = None
+        #: Cancelled because every reader left (not a shutdown).
+        self._abandoned = False
         # Futures nobody awaits (e.g. every client left) must not log "never retrieved".
         self.ready.add_done_callback(_consume)
         self.verified.add_done_callback(_consume)
@@ -111,6 +116,15 @@ class Fill:
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+    def _abandon(self) -> None:
+        """Every reader left before the end: stop reading the backend. A request that
+        comes meanwhile starts a fill of its own."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        self.owner._fill_done(self)
+        self.cancel()
 
     # -- the copy ------------------------------------------------------------------
 
@@ -214,7 +228,11 @@ class Fill:
             self.finished.set_result(True)
             self._notify()
         except asyncio.CancelledError:
-            failure = Unavailable(f"the {what} read was cancelled (server shutting down)")
+            if self._abandoned:
+                fills.labels("abandoned").inc()
+                failure = Unavailable(f"the {what} read was stopped: every client left")
+            else:
+                failure = Unavailable(f"the {what} read was cancelled (server shutting down)")
             raise
         except ECError as exc:
             fills.labels("failed").inc()
@@ -290,6 +308,9 @@ class Fill:
 
     def detach(self) -> None:
         self._readers -= 1
+        # Once verified, the backend's part is over: the commit goes on.
+        if self._readers <= 0 and not (self.verified.done() or self.finished.done()):
+            self._abandon()
         self._maybe_close()
 
     async def stream(self, chunk_size: int) -> AsyncGenerator[Chunk, None]:
@@ -389,8 +410,10 @@ class ReadThrough:
             # No usable CRC32C in the metadata (object written by another tool): only a
             # full read can tell it; do that once, through the disk tier, like a GET.
             fill = self.fill(key)
-            fill.detach()
-            return await fill.until(fill.ready)
+            try:
+                return await fill.until(fill.ready)
+            finally:
+                fill.detach()
         return EntryInfo(info.size, info.crc32c, info.header, self.backend.name)
 
     def fill(self, key: EntryKey) -> Fill:

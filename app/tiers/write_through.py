@@ -12,7 +12,9 @@ it receives. The contract is kept by the order of events:
 
 * **first writer wins**: the backend is asked whether it holds the entry (unless the
   route has just asked, for ``If-None-Match: *``) before the upload starts; when it
-  does, nothing is uploaded and nothing is committed (200);
+  does, nothing is uploaded and nothing is committed (200). Writers racing past that
+  question are settled by the backend itself (S3's conditional write): ``finish``
+  answers False to all but the first, which commit nothing either (200);
 * **nothing half-stored**: the backend holds the last bytes back until the store has
   verified the whole body (length, safetensors header, CRC32C) and calls ``finish``; a
   mismatch, a client that goes away, or any other error calls ``abort`` instead, which
@@ -78,11 +80,11 @@ class WriteThrough:
             self.exists = await self._present
         return self.exists
 
-    async def finish(self) -> None:
-        """The whole body was verified: let the upload complete (raises if it failed)."""
+    async def finish(self) -> bool:
+        """The whole body was verified: let the upload complete (raises if it failed);
+        False when the backend refused it, holding another body of the key already."""
         upload, self.upload = self.upload, None
-        if upload is not None:
-            await upload.finish()
+        return upload is None or await upload.finish()
 
     async def abort(self) -> None:
         """Withdraw whatever was started; safe to call at any point, also twice."""

@@ -10,9 +10,12 @@ torch.Size([576, 4096])
 
 :class:`AsyncClient` has the same methods as coroutines. Misses are ``None``; every
 error is an :class:`ECCacheError` (see :mod:`ec_cache._exceptions` for the tree).
+Importing the package does not import torch; the calls that take or return a tensor do.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -32,7 +35,10 @@ from ._exceptions import (
     UnavailableError,
 )
 from ._sync.client import Client
-from ._tensors import DTYPES, EntryInfo
+from ._tensors import EntryInfo
+
+if TYPE_CHECKING:
+    from ._tensors import DTYPES
 
 __all__ = [
     "DTYPES",
@@ -55,3 +61,11 @@ __all__ = [
     "UnavailableError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # imports torch: on first use, not with the package
+        from . import _tensors
+
+        return _tensors.DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,13 +15,12 @@ import contextlib
 import math
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
-
-from ._cuda import caller_context
 
 __all__ = [
     "AsyncMapper",
@@ -230,6 +229,16 @@ async def async_sleep(seconds: float) -> None:
 
 
 # -- many calls at once --------------------------------------------------------------
+def _caller_context() -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+    """:func:`ec_cache._cuda.caller_context`; ``None`` without importing torch when this
+    process has not imported it (then it has no CUDA state to carry over)."""
+    if "torch" not in sys.modules:
+        return None
+    from ._cuda import caller_context
+
+    return caller_context()
+
+
 class Mapper:
     """Runs ``fn`` over items, ``concurrency`` at a time, in worker threads created on
     first use, each under the calling thread's CUDA device and streams; one item runs
@@ -249,7 +258,7 @@ class Mapper:
                     max_workers=self._concurrency, thread_name_prefix="ec-cache"
                 )
             executor = self._executor
-        context = caller_context()
+        context = _caller_context()
         if context is None:
             return list(executor.map(fn, items))
 

@@ -23,11 +23,12 @@ import math
 import threading
 import weakref
 from types import TracebackType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ._tensors import tensor_memoryview
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BufferPool", "PooledBuffer", "typed_view"]
 
@@ -133,6 +134,8 @@ class BufferPool:
     def pinned(self) -> bool:
         """Whether new buffers are page-locked (default: when CUDA is available)."""
         if self._pinned is None:
+            import torch
+
             self._pinned = bool(torch.cuda.is_available())
         return self._pinned
 
@@ -142,28 +145,38 @@ class BufferPool:
 
     def acquire(self, nbytes: int) -> PooledBuffer:
         """Lease a buffer of at least ``nbytes`` (reused when one is idle)."""
+        buf = self.reuse(nbytes)
+        if buf is not None:
+            return buf
         capacity = self.capacity_for(nbytes)
-        buf: PooledBuffer | None = None
         with self._lock:
-            fits = [c for c in self._idle if capacity <= c <= 2 * capacity and self._idle[c]]
-            if fits:
-                buf = self._idle[min(fits)].pop()
-                self._idle_bytes -= buf.capacity
-                self._reused += 1
-            self._leased_bytes += buf.capacity if buf is not None else capacity
+            self._leased_bytes += capacity
             self._peak_bytes = max(self._peak_bytes, self._leased_bytes + self._idle_bytes)
-        if buf is None:
-            try:
-                tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
-            except BaseException:
-                with self._lock:
-                    self._leased_bytes -= capacity
-                raise
-            buf = PooledBuffer(self, tensor)
+        try:
+            import torch
+
+            tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
+        except BaseException:
             with self._lock:
-                self._allocated += 1
-        else:
-            buf._pool = self
+                self._leased_bytes -= capacity
+            raise
+        with self._lock:
+            self._allocated += 1
+        return PooledBuffer(self, tensor)
+
+    def reuse(self, nbytes: int, *, up_to: float = 2.0) -> PooledBuffer | None:
+        """Lease an idle buffer of at least ``nbytes`` (of its size class, else the
+        smallest up to ``up_to`` times as large), or ``None``: none is idle."""
+        capacity = self.capacity_for(nbytes)
+        with self._lock:
+            fits = [c for c in self._idle if capacity <= c <= up_to * capacity and self._idle[c]]
+            if not fits:
+                return None
+            buf = self._idle[min(fits)].pop()
+            self._idle_bytes -= buf.capacity
+            self._leased_bytes += buf.capacity
+            self._reused += 1
+        buf._pool = self
         buf.wait()
         return buf
 
@@ -176,6 +189,8 @@ class BufferPool:
         tensor alone) alive as long as the storage lives; a finalizer on that exporter
         returns the buffer.
         """
+        import torch
+
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self._min_capacity:  # the allocator's heap reuses small blocks well
             return torch.empty(shape, dtype=dtype)
@@ -194,10 +209,11 @@ class BufferPool:
         buf.wait()  # dropped: its memory is freed once the device copy is done
 
     def trim(self, max_idle_bytes: int = 0) -> None:
-        """Drop idle buffers, the largest first, until at most ``max_idle_bytes`` stay."""
+        """Drop idle buffers, the smallest first (a larger one serves more sizes), until
+        at most ``max_idle_bytes`` stay."""
         dropped: list[PooledBuffer] = []
         with self._lock:
-            for capacity in sorted(self._idle, reverse=True):
+            for capacity in sorted(self._idle):
                 bufs = self._idle[capacity]
                 while bufs and self._idle_bytes > max_idle_bytes:
                     dropped.append(bufs.pop())
@@ -230,5 +246,7 @@ def typed_view(
 ) -> torch.Tensor:
     """``raw[:nbytes]`` (uint8) seen as ``dtype`` of ``shape``, without copying."""
     if math.prod(shape) == 0:
+        import torch
+
         return torch.empty(shape, dtype=dtype)
     return raw[:nbytes].view(dtype).view(shape)

@@ -11,10 +11,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+
+from ._routing import normalize_url
 
 EXIT_OK, EXIT_USAGE, EXIT_ERROR = 0, 2, 3
 POLL_SECONDS = 0.5
@@ -34,7 +36,12 @@ def add_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
         "namespace's entries (hash, size, shape, tier), page by page",
     )
     p.add_argument("--s3", action="store_true", help="list the namespace's objects in S3")
-    p.add_argument("--limit", type=int, default=0, help="stop after this many entries")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="stop after this many entries (stderr says when more exist)",
+    )
     p = add("du", "disk usage per namespace, summed over the replicas (--model filters); totals")
     p = add(
         "purge",
@@ -50,7 +57,10 @@ def _urls(args: argparse.Namespace) -> list[str]:
     urls = args.url or [
         u for u in os.environ.get("EC_CACHE_URL", "http://127.0.0.1:8080").split(",") if u
     ]
-    return [u.rstrip("/") for u in urls]
+    try:
+        return [normalize_url(u) for u in urls]
+    except ValueError as exc:
+        raise OpsError(EXIT_USAGE, str(exc)) from None
 
 
 def _http(args: argparse.Namespace) -> httpx.Client:
@@ -100,6 +110,30 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     return run
 
 
+def _entries(
+    http: httpx.Client, urls: list[str], args: argparse.Namespace
+) -> Iterator[dict[str, Any]]:
+    """The entries of ``--model``/``--dtype`` on each of ``urls``, page by page as they
+    are read, each with its ``url``."""
+    for url in urls:
+        after = None
+        while True:
+            params: dict[str, Any] = {
+                "model": args.model,
+                "dtype": args.dtype,
+                "tier": "s3" if args.s3 else "disk",
+                "limit": min(args.limit + 1, 1000) if args.limit else 1000,
+            }
+            if after:
+                params["after"] = after
+            page = _request(http, "GET", url + "/namespaces/entries", params=params)
+            for entry in page["entries"]:
+                yield {**entry, "url": url}
+            after = page["next"]
+            if after is None:
+                break
+
+
 @_guard
 def cmd_ls(args: argparse.Namespace) -> int:
     urls = _urls(args)
@@ -119,32 +153,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
             return EXIT_OK
         if not args.model:
             raise OpsError(EXIT_USAGE, "ls --dtype needs --model")
-        entries = []
-        for url in urls[:1] if args.s3 else urls:
-            after = None
-            while True:
-                params: dict[str, Any] = {
-                    "model": args.model,
-                    "dtype": args.dtype,
-                    "tier": "s3" if args.s3 else "disk",
-                    "limit": 1000,
-                }
-                if after:
-                    params["after"] = after
-                page = _request(http, "GET", url + "/namespaces/entries", params=params)
-                for entry in page["entries"]:
-                    entries.append({**entry, "url": url})
-                    if not args.json:
-                        shape = "x".join(map(str, entry["shape"] or [])) or "?"
-                        where = f"  {url}" if len(urls) > 1 and not args.s3 else ""
-                        print(f"{entry['hash']}  {entry['size']}  {shape}  {entry['tier']}{where}")
-                    if args.limit and len(entries) >= args.limit:
-                        break
-                after = page["next"]
-                if after is None or (args.limit and len(entries) >= args.limit):
-                    break
+        entries: list[dict[str, Any]] = []
+        more = False  # --limit cut the listing short
+        for entry in _entries(http, urls[:1] if args.s3 else urls, args):
+            if args.limit and len(entries) == args.limit:
+                more = True
+                break
+            entries.append(entry)
+            if not args.json:
+                shape = "x".join(map(str, entry["shape"] or [])) or "?"
+                where = f"  {entry['url']}" if len(urls) > 1 and not args.s3 else ""
+                print(f"{entry['hash']}  {entry['size']}  {shape}  {entry['tier']}{where}")
     if args.json:
         print(json.dumps(entries))
+    if more:
+        print(f"ec-cache: more entries exist than --limit {args.limit} shows", file=sys.stderr)
     return EXIT_OK
 
 
@@ -239,17 +262,19 @@ def _confirm(
 
 def _progress(jobs: dict[str, dict[str, Any]], started: float, s3: bool) -> str:
     done = sum(1 for job in jobs.values() if job["state"] == "done")
-    disk = sum(job["disk_entries"] for job in jobs.values())
-    s3_objects = sum(job["s3_objects"] for job in jobs.values())
-    freed = sum(job["disk_bytes"] + job["s3_bytes"] for job in jobs.values())
+
+    def total(field: str) -> int:
+        return sum(int(job[field]) for job in jobs.values())
+
     width = 20
     filled = width * done // max(len(jobs), 1)
     errors = {job["last_error"] for job in jobs.values() if job.get("last_error")}
     note = f"  retrying: {sorted(errors)[0]}" if errors else ""
-    objects = f"S3 {s3_objects} objects  " if s3 else ""
+    # Disk and S3 apart, as the closing lines count them: the same bytes are in both.
+    objects = f"  S3 {total('s3_objects')} objects ({_size(total('s3_bytes'))})" if s3 else ""
     return (
         f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{len(jobs)} replicas  "
-        f"disk {disk} entries  {objects}{_size(freed)}  "
+        f"disk {total('disk_entries')} entries ({_size(total('disk_bytes'))}){objects}  "
         f"{time.monotonic() - started:.0f}s{note}"
     )
 

@@ -9,10 +9,9 @@ The I/O is written once, as asyncio code, in :mod:`ec_cache._async`;
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import httpx
-import torch
 
 from ._buffers import BufferPool
 from ._call_limit import CallLimit
@@ -25,6 +24,8 @@ from ._routing import Router
 from ._tensors import check_hash, check_model, parse_dtype
 
 if TYPE_CHECKING:
+    import torch
+
     from ._put_body import PutBody
 
 
@@ -32,7 +33,7 @@ Progress = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called as a body goes out or comes in."""
 
 
-Device = torch.device | str | int | None
+Device: TypeAlias = "torch.device | str | int | None"
 """Where a result goes: a ``torch.device``, its name, or a CUDA ordinal."""
 
 
@@ -40,6 +41,8 @@ def device_of(device: Device) -> torch.device | None:
     """``device`` as a ``torch.device`` (an ordinal is a CUDA device); ``None`` stays."""
     if device is None:
         return None
+    import torch
+
     if isinstance(device, int):
         return torch.device("cuda", device)
     return torch.device(device)

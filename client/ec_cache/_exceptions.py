@@ -81,13 +81,28 @@ class ServerError(ECCacheError):
 
     @classmethod
     def from_response(
-        cls, status_code: int, body: bytes, *, url: str | None, retry_after: str | None
+        cls,
+        status_code: int,
+        body: bytes,
+        *,
+        url: str | None,
+        retry_after: str | None,
+        error_header: str | None = None,
     ) -> ServerError:
-        """Build the error from ec-cache's JSON error body (any body is accepted)."""
+        """Build the error from ec-cache's JSON error body (any body is accepted), or,
+        for an answer without one (HEAD), from its ``X-EC-Error: code: message``."""
         import json
+        from http import HTTPStatus
 
         code = part = None
-        message = body[:500].decode("utf-8", "replace").strip() or "no error body"
+        message = body[:500].decode("utf-8", "replace").strip()
+        if not message and error_header:
+            code, _, message = error_header.partition(": ")
+        if not message:
+            try:
+                message = f"{HTTPStatus(status_code).phrase} (no error body)"
+            except ValueError:
+                message = "no error body"
         try:
             data: Any = json.loads(body) if body else None
         except (ValueError, RecursionError):  # not JSON, or nested too deep to parse

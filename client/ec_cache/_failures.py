@@ -12,7 +12,11 @@ from ._exceptions import ConnectError, ECCacheError, ServerError, TransportError
 def error_for(resp: httpx.Response, body: bytes, url: str) -> ServerError:
     """The :class:`ServerError` of an error answer and its JSON ``body``."""
     return ServerError.from_response(
-        resp.status_code, body, url=url, retry_after=resp.headers.get("retry-after")
+        resp.status_code,
+        body,
+        url=url,
+        retry_after=resp.headers.get("retry-after"),
+        error_header=resp.headers.get("x-ec-error"),
     )
 
 

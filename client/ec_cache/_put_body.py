@@ -7,14 +7,14 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 import httpx
-import torch
 
-from . import _cuda
 from ._buffers import BufferPool, PooledBuffer
 from ._crc import Crc32c
 from ._tensors import build_header, check_tensor, tensor_memoryview
 
 if TYPE_CHECKING:
+    import torch
+
     from ._client_base import Progress
 
 
@@ -87,6 +87,8 @@ def encode_put(tensor: torch.Tensor, dtype: str, pool: BufferPool) -> PutBody:
     if tensor.device.type == "cpu":
         contiguous = tensor if tensor.is_contiguous() else tensor.contiguous()
         return PutBody(header, tensor_memoryview(contiguous), keepalive=contiguous, lease=None)
-    lease = _cuda.stage_to_host(tensor, pool)
+    from ._cuda import stage_to_host
+
+    lease = stage_to_host(tensor, pool)
     nbytes = tensor.numel() * tensor.element_size()
     return PutBody(header, lease.view(nbytes), keepalive=None, lease=lease)

@@ -3,21 +3,26 @@
 
 from __future__ import annotations
 
-import httpx
-import torch
+from typing import TYPE_CHECKING
 
-from . import _cuda
+import httpx
+
 from ._buffers import BufferPool, PooledBuffer, typed_view
 from ._crc import Crc32c
 from ._exceptions import IntegrityError, InvalidTensorError
 from ._tensors import (
-    DTYPES,
     TensorMeta,
     parse_header,
     parse_header_length,
     parse_shape,
     tensor_memoryview,
+    torch_dtype,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._cuda import SectionCopy
 
 
 class Receiver:
@@ -52,6 +57,8 @@ class Receiver:
         length = resp.headers.get("content-length")
         self.total = int(length) if length is not None and length.isdigit() else None
         self.out = out
+        import torch  # a tensor is coming
+
         if device is None:
             self.device = out.device if out is not None else torch.device("cpu")
         else:
@@ -63,7 +70,7 @@ class Receiver:
         self.meta: TensorMeta | None = None
         self._result: torch.Tensor | None = None
         self._lease: PooledBuffer | None = None
-        self._sections: _cuda.SectionCopy | None = None
+        self._sections: SectionCopy | None = None
         self.received = 0
 
     def header_length(self, prefix: bytes) -> int:
@@ -97,27 +104,30 @@ class Receiver:
         if offset is not None and offset != str(meta.data_offset):
             raise IntegrityError(f"X-EC-Data-Offset {offset} but data starts at {meta.data_offset}")
 
-        torch_dtype = DTYPES[meta.dtype][0]
+        dtype = torch_dtype(meta.dtype)
         out = self.out
         if out is not None:
-            if out.dtype != torch_dtype or tuple(out.shape) != meta.shape:
+            if out.dtype != dtype or tuple(out.shape) != meta.shape:
                 raise InvalidTensorError(
-                    f"out= is {out.dtype}{list(out.shape)}, entry is "
-                    f"{torch_dtype}{list(meta.shape)}"
+                    f"out= is {out.dtype}{list(out.shape)}, entry is {dtype}{list(meta.shape)}"
                 )
             if out.device.type == "cpu" and out.is_contiguous():
                 self._result = out
                 return tensor_memoryview(out)
         elif self.device.type == "cpu":
-            self._result = self.results.tensor(meta.shape, torch_dtype)
+            self._result = self.results.tensor(meta.shape, dtype)
             return tensor_memoryview(self._result)
         self._lease = self.pool.acquire(meta.nbytes)
         if self._lease.tensor.is_pinned():
             dst = out
             if dst is None and self.device.type == "cuda":
-                dst = torch.empty(meta.shape, dtype=torch_dtype, device=self.device)
+                import torch
+
+                dst = torch.empty(meta.shape, dtype=dtype, device=self.device)
             if dst is not None and dst.device.type == "cuda" and dst.is_contiguous():
-                self._sections = _cuda.SectionCopy(self._lease, dst, meta.nbytes)
+                from ._cuda import SectionCopy
+
+                self._sections = SectionCopy(self._lease, dst, meta.nbytes)
         return self._lease.view(meta.nbytes)
 
     def landed(self, filled: int) -> None:
@@ -146,13 +156,14 @@ class Receiver:
                 self.release()
         lease = self._lease
         assert lease is not None
-        torch_dtype = DTYPES[meta.dtype][0]
-        staged = typed_view(lease.tensor, meta.nbytes, torch_dtype, meta.shape)
+        staged = typed_view(lease.tensor, meta.nbytes, torch_dtype(meta.dtype), meta.shape)
         try:
             if self.out is not None and self.out.device.type == "cpu":
                 self.out.copy_(staged)
                 return self.out
-            return _cuda.copy_to_device(
+            from ._cuda import copy_to_device
+
+            return copy_to_device(
                 staged, lease, self.out.device if self.out is not None else self.device, self.out
             )
         finally:

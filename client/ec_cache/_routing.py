@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 __all__ = ["Router", "normalize_url"]
 
 
 def normalize_url(url: str) -> str:
     """``http://host:port[/prefix]`` without a trailing slash; ``host:port`` gets
-    ``http://``."""
+    ``http://``. A prefix ending in ``/ec`` is refused: it is the API's own path, pasted
+    into the base URL, and would turn every model ``M`` into ``ec/M``."""
     url = url.strip()
     if "://" not in url:
         url = "http://" + url
     scheme = url.split("://", 1)[0].lower()
     if scheme not in ("http", "https"):
         raise ValueError(f"unsupported URL scheme in {url!r}")
-    return url.rstrip("/")
+    url = url.rstrip("/")
+    if urlsplit(url).path.endswith("/ec"):
+        raise ValueError(
+            f"server URL {url!r} ends in /ec: give the server's base URL "
+            f"({url.removesuffix('/ec')!r}); the client adds /ec/MODEL/DTYPE/HASH itself"
+        )
+    return url
 
 
 def _score(replica: str, key: str) -> int:

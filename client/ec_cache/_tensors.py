@@ -6,7 +6,8 @@ The body of every PUT and GET is a safetensors file holding exactly one tensor::
 
 The SDK builds the header itself and sends it followed by the tensor's own memory, and
 reads the data of a GET straight into the destination's memory; nothing here copies
-tensor data.
+tensor data. Importing this module does not import torch (the CLI's commands that move
+no tensor start without it): the functions that handle a tensor import it.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ._exceptions import IntegrityError, InvalidKeyError, InvalidTensorError
 from ._keys import DTYPE_NAMES, hash_error, hashes_error, model_error
 
 __all__ = [
+    "CODES",
     "DTYPES",
     "EntryInfo",
     "TensorMeta",
@@ -36,6 +36,7 @@ __all__ = [
     "parse_header",
     "parse_header_length",
     "tensor_memoryview",
+    "torch_dtype",
 ]
 
 TENSOR_NAME = "tensor"
@@ -43,24 +44,52 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 MAX_DIMS = 64
 MAX_DIM = 2**63 - 1  # torch sizes are int64
 
-# wire name -> (torch dtype, safetensors dtype code), in the order of _keys.DTYPE_NAMES.
-DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "float32": (torch.float32, "F32"),
-    "float16": (torch.float16, "F16"),
-    "bfloat16": (torch.bfloat16, "BF16"),
-    "float64": (torch.float64, "F64"),
-    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
-    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
-    "int8": (torch.int8, "I8"),
-    "uint8": (torch.uint8, "U8"),
-    "int16": (torch.int16, "I16"),
-    "int32": (torch.int32, "I32"),
-    "int64": (torch.int64, "I64"),
-    "bool": (torch.bool, "BOOL"),
+# wire name -> (safetensors dtype code, bytes per element), in the order of
+# _keys.DTYPE_NAMES; torch's dtype of each name is ``getattr(torch, name)``.
+CODES: dict[str, tuple[str, int]] = {
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float64": ("F64", 8),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "int16": ("I16", 2),
+    "int32": ("I32", 4),
+    "int64": ("I64", 8),
+    "bool": ("BOOL", 1),
 }
-assert tuple(DTYPES) == DTYPE_NAMES  # one list of names (ec_cache._keys)
-_BY_TORCH = {dt: name for name, (dt, _) in DTYPES.items()}
-_BY_CODE = {code: name for name, (_, code) in DTYPES.items()}
+assert tuple(CODES) == DTYPE_NAMES  # one list of names (ec_cache._keys)
+_BY_CODE = {code: name for name, (code, _) in CODES.items()}
+
+if TYPE_CHECKING:
+    import torch
+
+    #: wire name -> (torch dtype, safetensors dtype code); built on first use
+    DTYPES: dict[str, tuple[torch.dtype, str]]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The ``torch.dtype`` of a wire name (imports torch).
+
+    >>> torch_dtype("bfloat16")
+    torch.bfloat16
+    """
+    import torch
+
+    if name not in CODES:
+        raise KeyError(f"dtype {name!r} is not stored by ec-cache")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # the torch dtypes, without importing torch with this module
+        table = {wire: (torch_dtype(wire), code) for wire, (code, _) in CODES.items()}
+        globals()["DTYPES"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_dtype(dtype: torch.dtype | str) -> str:
@@ -71,16 +100,19 @@ def parse_dtype(dtype: torch.dtype | str) -> str:
     >>> parse_dtype(torch.bfloat16), parse_dtype("torch.float8_e4m3fn")
     ('bfloat16', 'float8_e4m3fn')
     """
-    if isinstance(dtype, torch.dtype):
-        name = _BY_TORCH.get(dtype)
-        if name is None:
-            raise InvalidKeyError(f"dtype {dtype} is not stored by ec-cache")
-        return name
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
-        if name in DTYPES:
+        if name in CODES:
             return name
-    raise InvalidKeyError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    elif "torch" in sys.modules:  # a torch.dtype can only come from an imported torch
+        import torch
+
+        if isinstance(dtype, torch.dtype):
+            name = str(dtype).removeprefix("torch.")
+            if name not in CODES:
+                raise InvalidKeyError(f"dtype {dtype} is not stored by ec-cache")
+            return name
+    raise InvalidKeyError(f"dtype {dtype!r} is not one of {', '.join(CODES)}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -125,7 +157,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][0].itemsize
+        return math.prod(self.shape) * CODES[self.dtype][1]
 
     @property
     def total(self) -> int:
@@ -150,7 +182,7 @@ class EntryInfo:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data."""
-        return math.prod(self.shape) * DTYPES[self.dtype][0].itemsize
+        return math.prod(self.shape) * CODES[self.dtype][1]
 
 
 def build_header(dtype: str, shape: tuple[int, ...] | list[int]) -> bytes:
@@ -160,8 +192,8 @@ def build_header(dtype: str, shape: tuple[int, ...] | list[int]) -> bytes:
     >>> h = build_header("bfloat16", (2, 3)); len(h) % 8, h[8:].rstrip()
     (0, b'{"tensor":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]}}')
     """
-    torch_dtype, code = DTYPES[dtype]
-    nbytes = math.prod(shape) * torch_dtype.itemsize
+    code, itemsize = CODES[dtype]
+    nbytes = math.prod(shape) * itemsize
     text = json.dumps(
         {
             TENSOR_NAME: {
@@ -216,7 +248,7 @@ def parse_header(header: bytes | bytearray | memoryview, *, total: int | None = 
         raise IntegrityError(f"safetensors shape {str(shape)[:200]} is not a list of sizes")
     meta = TensorMeta(_BY_CODE[code], tuple(shape), len(header))
     # torch sizes tensors in signed 64-bit, even with no elements (zero dims count as 1).
-    itemsize = DTYPES[meta.dtype][0].itemsize
+    itemsize = CODES[meta.dtype][1]
     if math.prod(max(d, 1) for d in shape) * itemsize >= 1 << 63:
         raise IntegrityError(f"safetensors shape {shape!r:.80} is too large for a tensor")
     if not (isinstance(offsets, list) and all(type(o) is int for o in offsets)):
@@ -266,13 +298,15 @@ def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
 
 def check_tensor(tensor: object, dtype: str) -> torch.Tensor:
     """Accept ``tensor`` for a PUT of ``dtype`` or raise ``InvalidTensorError``."""
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise InvalidTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise InvalidTensorError(f"only dense tensors can be stored, not {tensor.layout}")
     if tensor.device.type == "meta":
         raise InvalidTensorError("a meta tensor has no data to store")
-    if tensor.dtype != DTYPES[dtype][0]:
+    if tensor.dtype != torch_dtype(dtype):
         raise InvalidTensorError(
             f"tensor dtype {tensor.dtype} does not match the client's dtype {dtype}"
         )

@@ -4,8 +4,10 @@
 # the image installs.
 #
 #   server-wheels.sh build DIR     # builder stage: the locked wheels (hash-checked,
-#                                  # binary only) and the server's own wheel into DIR,
-#                                  # with requirements.lock and this script
+#                                  # binary only) and the server's own wheel, built by
+#                                  # the backend pinned in build-backend.lock (hashes
+#                                  # too, in a venv of its own), into DIR, with
+#                                  # requirements.lock and this script
 #   server-wheels.sh install DIR   # final stage: install from DIR only (no index,
 #                                  # hashes required), then check the result
 #
@@ -24,7 +26,16 @@ build)
     mkdir -p "$wheels"
     pip download --quiet --require-hashes --only-binary=:all: \
         --requirement requirements.lock --dest "$wheels"
-    pip wheel --quiet --no-deps --wheel-dir "$wheels" .
+    # The build backend from its lock, not whatever `pip wheel`'s isolated build would
+    # fetch for pyproject's `requires` range that day.
+    backend=$(mktemp -d)
+    python -m venv "$backend"
+    "$backend/bin/python" -m pip --disable-pip-version-check --no-cache-dir install \
+        --quiet --require-hashes --only-binary=:all: --no-deps \
+        --requirement deploy/docker/build-backend.lock
+    "$backend/bin/python" -m pip --disable-pip-version-check --no-cache-dir wheel \
+        --quiet --no-deps --no-build-isolation --wheel-dir "$wheels" .
+    rm -rf "$backend"
     cp requirements.lock "$0" "$wheels/"
     ;;
 install)

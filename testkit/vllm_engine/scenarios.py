@@ -78,7 +78,7 @@ ABORT = _scenario(
     "abort",
     {"mode": "slow", "delay_s": 2.0},
     _image("image", 51, 10, abort_after_s=0.3),
-    settle_s=2.5,  # the held GET is answered meanwhile: its bytes must be dropped,
+    settle_s=2.5,  # the held GET is abandoned on release, its bytes freed with it,
     settle_on=["worker", "prefetch_dropped"],  # and the scheduler told of it
 )
 ALL = [HOLD, EXISTS_HOLD, *FAILURES.values(), ABORT]

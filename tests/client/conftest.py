@@ -17,15 +17,17 @@ if str(CLIENT_DIR) not in sys.path:  # the SDK may not be installed in the venv
 
 import ec_cache  # noqa: E402
 
-from testkit.server import ServerProcess  # noqa: E402
+from testkit.server import ServerProcess, settings_env  # noqa: E402
 
 
 def _server(root: Path, **settings: str) -> ServerProcess:
     """A server roomy enough for the 100+ MB round trips; ``settings`` as ``EC_*``
     names without the prefix."""
     root.mkdir(parents=True, exist_ok=True)
-    settings = {"disk_max_bytes": "2GiB", "max_body_bytes": "512MiB", **settings}
-    return ServerProcess(root / "data", root / "server.log", **settings)
+    server = ServerProcess(root / "data", root / "server.log")
+    server.env.update(settings_env({"disk_max_bytes": "2GiB", "max_body_bytes": "512MiB"}))
+    server.env.update(settings_env(settings))
+    return server
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,7 @@ class FakeServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.connections = 0
+        self.closed = 0  # connections this server has closed (each after its last answer)
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -83,37 +84,43 @@ class FakeServer:
             threading.Thread(target=self._conn, args=(conn,), daemon=True).start()
 
     def _conn(self, conn: socket.socket) -> None:
+        try:
+            self._answer(conn)
+        finally:
+            conn.close()
+            self.closed += 1
+
+    def _answer(self, conn: socket.socket) -> None:
         buf = b""
-        with conn:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, buf = buf.split(b"\r\n\r\n", 1)
-                lines = head.decode().split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = {}
-                for line in lines[1:]:
-                    k, v = line.split(":", 1)
-                    headers[k.strip().lower()] = v.strip()
-                length = int(headers.get("content-length", "0"))
-                while len(buf) < length:
-                    data = conn.recv(1 << 20)
-                    if not data:
-                        return
-                    buf += data
-                body, buf = buf[:length], buf[length:]
-                request = Request(method, path, headers, body)
-                self.requests.append(request)
-                reply = self.handler(request)
-                try:
-                    conn.sendall(reply.raw)
-                except OSError:
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = conn.recv(65536)
+                if not data:
                     return
-                if reply.close:
+                buf += data
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            lines = head.decode().split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = {}
+            for line in lines[1:]:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+            length = int(headers.get("content-length", "0"))
+            while len(buf) < length:
+                data = conn.recv(1 << 20)
+                if not data:
                     return
+                buf += data
+            body, buf = buf[:length], buf[length:]
+            request = Request(method, path, headers, body)
+            self.requests.append(request)
+            reply = self.handler(request)
+            try:
+                conn.sendall(reply.raw)
+            except OSError:
+                return
+            if reply.close:
+                return
 
     def close(self) -> None:
         self._stop = True

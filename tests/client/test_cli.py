@@ -9,9 +9,13 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
+import ec_cache
+import httpx
 import numpy as np
 import pytest
+import safetensors.numpy
 import safetensors.torch
 import torch
 
@@ -27,12 +31,13 @@ def run(
     model: str = "cli/model",
     dtype: str | None = "float32",
     env: dict[str, str] | None = None,
+    python_flags: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, PYTHONPATH=str(CLIENT_DIR), **(env or {}))
     for name in ("EC_CACHE_URL", "EC_CACHE_MODEL", "EC_CACHE_DTYPE", "EC_CACHE_TOKEN"):
         if not env or name not in env:
             full_env.pop(name, None)
-    argv = [sys.executable, "-m", "ec_cache"]
+    argv = [sys.executable, *python_flags, "-m", "ec_cache"]
     if server is not None:
         argv += ["--url", server.url]
     if model:
@@ -51,6 +56,55 @@ def test_help_lists_commands_and_exit_codes() -> None:
     assert result.returncode == 0
     for word in ["head", "get", "put", "rm", "exists", "stats", "exit status", "EC_CACHE_URL"]:
         assert word in result.stdout
+
+
+def test_version_is_the_sdks() -> None:
+    result = run(None, "--version", model="", dtype=None)
+    assert (result.returncode, result.stdout) == (0, f"ec-cache {ec_cache.__version__}\n")
+
+
+def imported_modules(stderr: str) -> set[str]:
+    """The modules a ``python -X importtime`` process imported, from its stderr."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip())
+    return names
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["--help"],
+        ["--version"],
+        ["head", "HASH"],
+        ["exists", "HASH"],
+        ["ls"],
+        ["du"],
+        ["stats"],
+        ["get", "HASH", "-o", os.devnull],
+    ],
+)
+def test_only_commands_that_move_a_tensor_import_torch(
+    server: ServerProcess, command: list[str]
+) -> None:
+    """torch takes seconds to import: ``--help``, ``head``, ``exists``, ``ls``, ``du``
+    and ``stats`` must run without it; ``get`` shows that the check sees the import."""
+    h = key()
+    tensor = np.arange(6, dtype=np.float32)
+    with httpx.Client() as http:
+        body = safetensors.numpy.save({"tensor": tensor})
+        assert http.put(f"{server.url}/ec/cli/model/float32/{h}", content=body).status_code == 201
+    args = [h if arg == "HASH" else arg for arg in command]
+    result = run(server, *args, python_flags=("-X", "importtime"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    modules = imported_modules(result.stderr)
+    assert "ec_cache._cli" in modules  # the check reads the real import list
+    torch_modules = sorted(m for m in modules if m == "torch" or m.startswith("torch."))
+    if command[0] == "get":
+        assert "torch" in torch_modules
+    else:
+        assert torch_modules == [], f"{command[0]} imported {torch_modules[:5]}"
 
 
 def test_put_safetensors_head_get_rm(server: ServerProcess, tmp_path: Path) -> None:
@@ -200,3 +254,56 @@ def test_progress_on_stderr(server: ServerProcess, tmp_path: Path, progress: str
     assert ("MiB" in result.stderr) == (progress == "always")
     result = run(server, "get", h, "-o", str(tmp_path / "o.safetensors"), "--progress", progress)
     assert result.returncode == 0 and ("100.0%" in result.stderr) == (progress == "always")
+
+
+def test_503_is_an_outage_not_a_miss(make_server: Any) -> None:
+    """A server whose S3 tier is unreachable answers 503 for what its disk lacks:
+    ``head``, ``get`` and ``exists`` say the server is unavailable and exit 3 (a miss
+    exits 1), while the SDK's default client still reads it as a miss."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    # Credentials present (so the tier is configured), endpoint refusing connections.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", "ec-cache-test")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "ec-cache-test-secret")
+        srv = make_server(s3_endpoint_url=dead, s3_bucket="b")
+    h = key()
+    for args in (["head", h], ["get", h, "-o", os.devnull], ["exists", h]):
+        result = run(srv, *args)
+        assert result.returncode == 3, (args, result.stdout, result.stderr)
+        assert "server unavailable (HTTP 503 from " in result.stderr, result.stderr
+        assert "not found" not in result.stdout + result.stderr
+        assert "absent" not in result.stdout
+    with ec_cache.Client(srv.url, model="cli/model", dtype="float32") as client:
+        assert client.head(h) is None and client.exists_many([h]) == [False]
+
+
+def test_forbidden_head_names_the_missing_scope(tmp_path: Path) -> None:
+    """A HEAD answer has no body: the server puts its error in ``X-EC-Error``, and the
+    CLI says which scope or model the token lacks (not "no error body")."""
+    tokens = "writer:write:" + "w" * 20 + ";other:read,model=other/**:" + "o" * 20
+    with ServerProcess(tmp_path / "data", tmp_path / "log", auth_tokens=tokens) as srv:
+        answer = httpx.head(
+            f"{srv.url}/ec/cli/model/float32/{key()}",
+            headers={"Authorization": "Bearer " + "w" * 20},
+        )
+        assert answer.status_code == 403
+        assert answer.headers["x-ec-error"] == "forbidden: token 'writer' lacks the read scope"
+        for token, reason in [
+            ("w" * 20, "token 'writer' lacks the read scope"),
+            ("o" * 20, "token 'other' may not access model 'cli/model'"),
+        ]:
+            result = run(srv, "head", key(), env={"EC_CACHE_TOKEN": token})
+            assert result.returncode == 3
+            assert result.stderr == f"ec-cache: HTTP 403 forbidden: {reason}\n"
+
+
+@pytest.mark.parametrize("command", [["head", "abc"], ["ls"]])
+def test_base_url_ending_in_ec_is_refused(server: ServerProcess, command: list[str]) -> None:
+    """``--url http://host:port/ec`` would store under model ``ec/...``: refused,
+    naming the URL to give instead."""
+    result = run(None, "--url", server.url + "/ec/", *command)
+    assert result.returncode == 2
+    assert f"server URL '{server.url}/ec' ends in /ec: give the server's base URL " in result.stderr
+    assert f"('{server.url}')" in result.stderr
+    with pytest.raises(ValueError, match="ends in /ec"):
+        ec_cache.Client(server.url + "/ec", model="m", dtype="float32")

@@ -107,3 +107,29 @@ def test_purge_without_admin_fails_with_the_servers_message(tmp_path: Path) -> N
         assert result.returncode == 3
         assert "HTTP 403" in result.stderr
         assert "admin" in result.stderr
+
+
+def test_ls_limit_says_when_more_entries_exist(tmp_path: Path) -> None:
+    with (
+        ServerProcess(tmp_path / "a", tmp_path / "a.log") as a,
+        ServerProcess(tmp_path / "b", tmp_path / "b.log") as b,
+    ):
+        _fill(a.url)  # rev/a float16: h0, h1, h2 on each
+        _fill(b.url)
+        note = "ec-cache: more entries exist than --limit"
+        for urls, limit, shown, more in [
+            ([a.url], 2, 2, True),
+            ([a.url], 3, 3, False),  # exactly all: nothing more
+            ([a.url, b.url], 3, 3, True),  # the rest are on the second replica
+            ([a.url, b.url], 6, 6, False),
+        ]:
+            flags = [arg for url in urls for arg in ("--url", url)]
+            result = run(None, *flags, "ls", "--limit", str(limit), model="rev/a", dtype="float16")
+            assert result.returncode == 0, result.stderr
+            assert len(result.stdout.splitlines()) == shown
+            assert (f"{note} {limit} shows" in result.stderr) is more, (urls, limit)
+            listed = run(
+                None, *flags, "ls", "--limit", str(limit), "--json", model="rev/a", dtype="float16"
+            )
+            assert len(json.loads(listed.stdout)) == shown
+            assert (note in listed.stderr) is more

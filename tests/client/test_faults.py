@@ -16,6 +16,7 @@ import pytest
 import torch
 from ec_cache._tensors import build_header, tensor_memoryview
 
+from testkit.polling import wait_for
 from testkit.ports import free_port
 from testkit.server import ServerProcess
 
@@ -156,9 +157,9 @@ def test_silently_dropped_keepalive_connection_is_retried(
     on the pooled connection fails before any byte and is sent again on a new one."""
     srv = fake(lambda r: Reply(entry_reply(BODY, dtype="float32", shape="8,8").raw, close=True))
     c = client_factory(srv.url, model="m", dtype="float32", retries=1)
-    for _ in range(4):
+    for n in range(1, 5):
         assert torch.equal(c.get("h"), T)
-        time.sleep(0.05)
+        wait_for(lambda: srv.closed == n, "the server to close it")  # noqa: B023 (used at once)
     assert len(srv.requests) == 4
 
 
@@ -178,7 +179,7 @@ def test_connection_refused_is_connect_error(client_factory: Factory) -> None:
 
 def test_read_timeout(fake: Any, client_factory: Factory) -> None:
     def slow(r: Request) -> Reply:
-        time.sleep(1.0)
+        time.sleep(1.0)  # the behaviour under test: a server slower than the read timeout
         return entry_reply(BODY, dtype="float32", shape="8,8")
 
     srv = fake(slow)

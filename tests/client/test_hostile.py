@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -17,6 +18,9 @@ import torch
 from ec_cache import Retries, Timeouts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from testkit.ports import free_port
+from testkit.server import ServerProcess
 
 from .hostile import (
     BODY,
@@ -299,7 +303,7 @@ def test_an_early_answer_that_lands_as_the_wait_for_100_continue_ends_is_read(
 
     def script(head: bytes) -> list[Step]:
         # Block the client's loop past its wait for 100 Continue (FAST.read), answer meanwhile.
-        client_loop[0].call_soon_threadsafe(time.sleep, 2 * FAST.read)
+        client_loop[0].call_soon_threadsafe(time.sleep, 2 * (FAST.read or 0.0))
         return [0.1, refused]
 
     srv = hostile(script)
@@ -437,7 +441,7 @@ def clients(board: Switchboard) -> Iterator[dict[str, Any]]:
         "timeouts": FAST,
         "retries": Retries(attempts=1),
     }
-    made = {
+    made: dict[str, Any] = {
         "sync": ec_cache.Client(board.server.url, **kw),
         "async": SyncFacade(board.server.url, **kw),
     }
@@ -448,7 +452,8 @@ def clients(board: Switchboard) -> Iterator[dict[str, Any]]:
 
 def split(data: bytes, cuts: Iterable[int]) -> list[Step]:
     points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
+    pieces: list[Step] = []
+    last = 0
     for p in [*points, len(data)]:
         if p > last:
             pieces.append(data[last:p])
@@ -546,3 +551,36 @@ def test_header_parser_never_raises_anything_but_integrity_error(
     except ec_cache.IntegrityError:
         return
     assert all(0 <= d < 2**63 for d in meta.shape)
+
+
+# -- Retries(retry_put=False) ----------------------------------------------------------
+@pytest.mark.parametrize("retry_put", [False, True])
+def test_put_dropped_after_its_body_is_resent_only_when_retry_put(
+    hostile: Callable[[Script], HostileServer], client_factory: Factory, retry_put: bool
+) -> None:
+    """A server that reads a PUT's whole body, then drops the connection without an
+    answer: the PUT may have landed. ``retry_put=False`` sends it exactly once and
+    raises; the default sends it again (``attempts`` times in all)."""
+    srv = hostile(always(b""))  # body read (no Expect), then the connection closed
+    retries = Retries(attempts=3, backoff=0.0, retry_put=retry_put)
+    c = client_for(client_factory, srv, retries=retries)
+    with pytest.raises(ec_cache.TransportError) as caught:
+        c.put("h", T, conditional=False)
+    assert not isinstance(caught.value, ec_cache.ConnectError)
+    puts = [head for head in srv.requests if head.startswith(b"PUT ")]
+    assert len(puts) == (3 if retry_put else 1)
+    assert srv.connections == len(puts)  # each try on a fresh connection, body and all
+
+
+def test_put_without_retries_still_fails_over_a_refused_connection(
+    server: ServerProcess, client_factory: Factory
+) -> None:
+    """``retry_put=False`` resends nothing that may have landed, but a refused connection
+    sent nothing: the PUT goes to the key's next replica at once."""
+    refused = f"http://127.0.0.1:{free_port()}"
+    retries = Retries(attempts=1, retry_put=False)
+    c = client_factory([refused, server.url], model="m", dtype="float32", retries=retries)
+    keys = (f"failover-{uuid.uuid4().hex}" for _ in range(1000))
+    h = next(k for k in keys if c._order(k)[0] == refused)  # the refusing replica first
+    assert c.put(h, T) is True
+    assert torch.equal(c.get(h), T)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import shutil
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from testkit.server import server_python
 from tests.deploy.tooling import (
     CHART,
     CI_VALUES,
@@ -31,6 +33,7 @@ from tests.deploy.tooling import (
     render,
     render_error,
     render_text,
+    require_server_venv,
     run,
     server_env_vars,
     tool,
@@ -165,13 +168,27 @@ def test_grace_period_refusal_names_the_total_it_requires() -> None:
     )
 
 
+def test_fractional_shutdown_timeout_renders_what_the_server_takes(tmp_path: Path) -> None:
+    """The schema takes any number of seconds: the server must take what renders (a
+    pod that crash-loops on ``EC_SHUTDOWN_TIMEOUT="20.5"`` passed every check before)."""
+    require_server_venv()
+    docs = render({"config": {"shutdownTimeout": 20.5}, "terminationGracePeriodSeconds": 60})
+    env = dict(one(docs, "ConfigMap", FULLNAME)["data"])
+    assert env["EC_SHUTDOWN_TIMEOUT"] == "20.5"
+    env["EC_DATA_DIR"] = str(tmp_path / "data")  # the pod's /data
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EC_")}
+    checked = run([server_python(), "-m", "app", "--check"], env={**base, **env})
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.splitlines()[-1] == "configuration ok"
+
+
 def server_anonymous_values() -> set[str]:
     """The EC_ANONYMOUS values the server takes (app/auth.py's AnonymousAccess, parsed)."""
     tree = ast.parse((ROOT / "app" / "auth.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "AnonymousAccess":
             return {
-                stmt.value.value
+                str(stmt.value.value)
                 for stmt in node.body
                 if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant)
             }
@@ -288,6 +305,9 @@ EVERY_SETTING: dict[str, Any] = {
             "multipartPartSize": "16MiB",
             "multipartConcurrency": 2,
             "getChunkSize": "1MiB",
+            "getPartSize": "4MiB",
+            "getConcurrency": 4,
+            "getBufferBytes": "256MiB",
             "unavailableCooldown": 3,
             "verifyTls": False,
         },
@@ -314,6 +334,10 @@ EVERY_SETTING: dict[str, Any] = {
         "keepaliveTimeout": 4,
         "headerTimeout": 5,
         "sendTimeout": 20,
+        "claimMaxLease": 30,
+        "claimMaxKeys": 50000,
+        "claimMaxWaiters": 512,
+        "claimMaxWait": 20.5,
         "shutdownTimeout": 25,
     },
     "auth": {

@@ -8,7 +8,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tests.deploy.tooling import ROOT, run, server_env_vars, tool
+from tests.deploy.tooling import ROOT, run, server_default, server_env_vars, tool
 
 
 @cache
@@ -118,3 +118,24 @@ def test_s3_tests_service_matches_the_suite() -> None:
         read |= set(re.findall(r"\b(EC_TEST_S3_[A-Z_]+)\b", py.read_text()))
     assert read, "tests/s3 reads no EC_TEST_S3_* variable?"
     assert read <= set(env), sorted(read - set(env))
+
+
+def _seconds(duration: str) -> float:
+    """A Compose duration (``45s``, ``1m30s``) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"([0-9.]+)(ms|h|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_stop_grace_period_covers_the_drains_in_either_write_mode() -> None:
+    """The grace rule of docs/deploy.md: after SIGTERM the server drains requests for
+    EC_SHUTDOWN_TIMEOUT, then (write-back) uploads for EC_WRITEBACK_DRAIN_TIMEOUT; the
+    stack's EC_WRITE_MODE=write-back override must not have them killed midway."""
+    svc = config()["services"]["ec-cache"]
+    env = svc["environment"]
+    needed = float(env.get("EC_SHUTDOWN_TIMEOUT", server_default("EC_SHUTDOWN_TIMEOUT")))
+    needed += float(
+        env.get("EC_WRITEBACK_DRAIN_TIMEOUT", server_default("EC_WRITEBACK_DRAIN_TIMEOUT"))
+    )
+    assert _seconds(svc["stop_grace_period"]) >= needed

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from testkit.server import SERVER_VENV_PYTHON, ServerProcess
-from tests.deploy.tooling import CHART, FULLNAME, ROOT, find, one, render
+from testkit.server import ServerProcess
+from tests.deploy.tooling import CHART, FULLNAME, ROOT, find, one, render, require_server_venv
 
 MONITORING = CHART / "ci" / "hpa-monitoring-netpol-values.yaml"
 ALERTS = {
@@ -59,14 +59,6 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def _require_server_venv() -> None:
-    if "EC_SERVER_PYTHON" not in os.environ and not SERVER_VENV_PYTHON.exists():
-        message = f"{SERVER_VENV_PYTHON} missing: the server's venv (make test creates .venv)"
-        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 def _get(url: str) -> str:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -79,7 +71,7 @@ def _get(url: str) -> str:
 def server_metric_names() -> frozenset[str]:
     """Sample names a real server exports with every tier on: S3 (unreachable) in
     write-back mode, per-namespace lookups, after one lookup and one readiness check."""
-    _require_server_venv()
+    require_server_venv()
     root = Path(tempfile.mkdtemp())
     server = ServerProcess(
         root / "data",

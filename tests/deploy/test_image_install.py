@@ -28,13 +28,16 @@ import shutil
 import struct
 import subprocess
 import sys
+import tomllib
 import venv
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from testkit.server import ServerProcess
 from tests.deploy.tooling import ROOT, dockerfile_stages
@@ -66,7 +69,9 @@ def _image_env(runtime: list[tuple[str, str]]) -> dict[str, str]:
     env: dict[str, str] = {}
     for instr, arg in runtime:
         if instr == "ENV":
-            env.update(part.split("=", 1) for part in shlex.split(arg))
+            for part in shlex.split(arg):
+                name, _, value = part.partition("=")
+                env[name] = value
     return env
 
 
@@ -114,6 +119,24 @@ def test_the_image_installs_exactly_the_lock(image: Image) -> None:
     assert locked <= installed
     extra = installed - locked - {"ec-cache-server", "pip", "setuptools", "wheel"}
     assert extra == set(), "installed beyond the lock"
+
+
+def test_the_servers_wheel_is_built_by_the_locked_backend(image: Image) -> None:
+    """Not by whatever setuptools an isolated build fetched that day: the one pinned,
+    with hashes, in deploy/docker/build-backend.lock, which satisfies pyproject's
+    ``build-system.requires``."""
+    lock = (ROOT / "deploy" / "docker" / "build-backend.lock").read_text()
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+) \\$", lock, re.MULTILINE))
+    assert pins.keys() == {"setuptools"}, pins
+    assert lock.count("--hash=sha256:") >= len(pins)
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    for requirement in map(Requirement, requires):
+        assert requirement.specifier.contains(pins[requirement.name]), requirement
+    (wheel,) = image.wheels.glob("ec_cache_server-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/WHEEL")]
+        metadata = archive.read(name).decode()
+    assert f"Generator: setuptools ({pins['setuptools']})" in metadata, metadata
 
 
 def _entry_body() -> bytes:

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from testkit.server import SERVER_VENV_PYTHON
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "ec-cache"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -151,6 +153,25 @@ def server_env_vars() -> set[str]:
     raise AssertionError(f"no Settings class in {path}")
 
 
+def server_default(name: str) -> Any:
+    """The default of the server setting ``name`` (``EC_SHUTDOWN_TIMEOUT``), from
+    app/settings.py (parsed, not imported): a literal ``default=`` or plain value."""
+    path = ROOT / "app" / "settings.py"
+    field = name.removeprefix("EC_").lower()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == field
+            and node.value is not None
+        ):
+            value = node.value
+            if isinstance(value, ast.Call):
+                value = next(k.value for k in value.keywords if k.arg == "default")
+            return ast.literal_eval(value)
+    raise AssertionError(f"no setting {name} in {path}")
+
+
 def dockerfile_stages() -> list[list[tuple[str, str]]]:
     """Dockerfile as stages of (INSTRUCTION, arguments), continuation lines joined."""
     lines: list[str] = []
@@ -174,3 +195,12 @@ def dockerfile_stages() -> list[list[tuple[str, str]]]:
             stages.append([])
         stages[-1].append((instr, rest.strip()))
     return stages
+
+
+def require_server_venv() -> None:
+    """Skip (fail in CI) a test that runs the server when its venv is missing."""
+    if "EC_SERVER_PYTHON" not in os.environ and not SERVER_VENV_PYTHON.exists():
+        message = f"{SERVER_VENV_PYTHON} missing: the server's venv (make test creates .venv)"
+        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+            pytest.fail(message)
+        pytest.skip(message)

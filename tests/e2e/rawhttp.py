@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -67,3 +68,25 @@ def send_partial(port: int, target: str, declared: int, body: bytes) -> None:
     ).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(head + body)
+
+
+def flood_headers(port: int, flood_bytes: int) -> tuple[int, RawResponse | None]:
+    """Send a head of small headers until the server answers (or ``flood_bytes`` are
+    sent): the bytes sent by then, and the answer (None if it hung up without one)."""
+    line = b"X-Flood: " + b"a" * 48 + b"\r\n"
+    chunk = line * (64 * 1024 // len(line))
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        while sent < flood_bytes:
+            if select.select([sock], [], [], 0)[0]:
+                break  # the answer (or the end) is in
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(chunk)
+        try:
+            return sent, read_response(sock)
+        except ConnectionError:
+            return sent, None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from app import __version__
 from testkit.entries import body
 from testkit.server import ServerProcess
 
@@ -170,5 +171,21 @@ def test_json_log_format_makes_every_line_json(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in text.splitlines()]  # raises on a plain line
     assert "\x1b[" not in text
     assert not [line for line in lines if "color_message" in line]
-    assert any(line["message"].startswith("ec-cache on http://") for line in lines)
+    assert any(line["message"].startswith(f"ec-cache {__version__} on http://") for line in lines)
     assert any(line["logger"].startswith("uvicorn") for line in lines)
+
+
+def test_paths_are_logged_quoted(tmp_path: Path) -> None:
+    """uvicorn decodes the path: a logged space would split the line's fields, a
+    newline would forge a line."""
+    target = "/ec/m@rev+1/float32/a%20b%0Aforged%25"
+    with (
+        ServerProcess(tmp_path / "d", tmp_path / "log", log_level="info") as srv,
+        httpx.Client(base_url=srv.url) as client,
+    ):
+        request = client.build_request("GET", target, headers={"X-Request-ID": "odd"})
+        assert client.send(request).status_code == 400  # no such hash
+    text = (tmp_path / "log").read_text()
+    lines = {m["id"]: m for m in map(TEXT_LINE.search, text.splitlines()) if m is not None}
+    assert lines["odd"]["path"] == target
+    assert not any(line.startswith("forged") for line in text.splitlines())

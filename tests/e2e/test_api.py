@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import select
 import socket
 import time
 from pathlib import Path
@@ -13,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
+from app import __version__
 from testkit.entries import body, crc_hex
+from testkit.polling import wait_for
 from testkit.server import ServerProcess
 from tests.e2e import rawhttp
 
@@ -30,11 +33,9 @@ def files_under(path: Path) -> list[Path]:
 
 
 def assert_nothing_left(server: ServerProcess, hash_prefix: str = "") -> None:
-    """No temp file remains and the server still answers."""
-    deadline = time.monotonic() + 5
-    while files_under(server.data_dir / "tmp") and time.monotonic() < deadline:
-        time.sleep(0.05)  # a disconnect is noticed asynchronously
-    assert files_under(server.data_dir / "tmp") == []
+    """No temp file remains (a disconnect is noticed asynchronously) and the server
+    still answers."""
+    wait_for(lambda: files_under(server.data_dir / "tmp") == [], "the temp files to go", 5)
     assert httpx.get(f"{server.url}/healthz").status_code == 200
 
 
@@ -196,6 +197,23 @@ def test_wrong_checksum(server: ServerProcess, client: httpx.Client) -> None:
     assert_nothing_left(server)
 
 
+@pytest.mark.parametrize(
+    "data",
+    [b"an embedding, as text: 0.1 0.2 0.3\n" * 4, b"\x93NUMPY\x01\x00v\x00" + b" " * 120],
+    ids=["text", "npy"],
+)
+def test_a_body_that_is_no_safetensors_file_says_so(client: httpx.Client, data: bytes) -> None:
+    """Its first 8 bytes read as a huge header length, or its header is not JSON: the
+    answer says what the body is not and how to send a file, not a 15-digit number."""
+    answer = client.put(entry_url("not-safetensors", "float32"), content=data)
+    assert answer.status_code == 400
+    message = answer.json()["message"]
+    assert message.startswith(
+        "not a safetensors file; send the file as it is, e.g. curl --data-binary @FILE ("
+    ), message
+    assert client.head(entry_url("not-safetensors", "float32")).status_code == 404
+
+
 def test_body_over_the_maximum(server: ServerProcess) -> None:
     # The module's server accepts at most 64 MiB.
     huge = 65 * 1024 * 1024
@@ -337,7 +355,7 @@ def test_batch_exists(client: httpx.Client) -> None:
 
 
 def test_health_readiness_docs_and_stats(client: httpx.Client) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "version": __version__}
     assert client.head("/healthz").status_code == 200  # curl -I works on probes too
     assert client.head("/readyz").status_code == 200
     ready = client.get("/readyz")
@@ -390,9 +408,7 @@ def test_kill_mid_upload_leaves_no_partial_entry(fresh_server: ServerProcess) ->
         f"PUT /ec/m/uint8/killed HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode()
     )
     sock.sendall(data[: 4 << 20])
-    deadline = time.monotonic() + 10
-    while not files_under(fresh_server.data_dir / "tmp") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: files_under(fresh_server.data_dir / "tmp"), "the upload's temp file", 10)
     fresh_server.kill()
     sock.close()
     fresh_server.start()
@@ -446,7 +462,8 @@ def test_early_answer_survives_a_client_that_keeps_sending(server: ServerProcess
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(head)
-            time.sleep(0.2)  # the 412 is sent (and, unfixed, the socket closed) meanwhile
+            # The 412 arrives (and, unfixed, the server closes the socket) first.
+            assert select.select([sock], [], [], 10)[0], "no early answer"
             sock.sendall(data)  # into a closed socket this provokes a reset
             answer = b""
             while chunk := sock.recv(65536):
@@ -470,7 +487,7 @@ def test_an_upload_read_in_many_pieces_then_the_next_request_on_its_connection(
         sock.sendall(head.encode() + data[:100])
         for start in range(100, len(data) - 1000, 65_536):
             sock.sendall(data[start : min(start + 65_536, len(data) - 1000)])
-            time.sleep(0.0005)
+            time.sleep(0.0005)  # the behaviour under test: pieces arriving one by one
         sock.sendall(data[len(data) - 1000 :] + get.encode())
         while chunk := sock.recv(1 << 20):
             answers += chunk
@@ -533,7 +550,7 @@ def test_pipelined_uploads_cut_at_random_points_are_stored_exactly(
         for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
             sock.sendall(stream[start:end])
             if rng.random() < 0.3:
-                time.sleep(0.002)
+                time.sleep(0.002)  # the behaviour under test: cuts arriving apart
         while chunk := sock.recv(1 << 20):
             answers += chunk
     responses = _split_responses(answers)

@@ -7,6 +7,7 @@ off within its configured time, and well-behaved clients are served meanwhile.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from testkit.entries import body
+from testkit.polling import wait_for
 from testkit.server import ServerProcess
 from tests.e2e import rawhttp
 
@@ -65,12 +67,12 @@ def test_trickling_uploads_are_cut_off_and_others_get_through(tmp_path: Path) ->
     ) as srv:
         data = body((100_000,), "U8", 1)
         tricklers = [Trickler(srv.port, f"/ec/m/uint8/trickle{i}", data) for i in range(2)]
-        time.sleep(0.3)
+        wait_for(lambda: srv.uploads_in_flight() == 2, "both tricklers' uploads to start")
         # One slot is still free: a normal PUT is served while the tricklers trickle.
         normal = body((500_000,), "U8", 1, seed=1)
         assert httpx.put(srv.url + "/ec/m/uint8/normal", content=normal).status_code == 201
         tricklers.append(Trickler(srv.port, "/ec/m/uint8/trickle2", data))
-        time.sleep(0.3)
+        wait_for(lambda: srv.uploads_in_flight() == 3, "the third trickler's upload")
         refused = httpx.put(srv.url + "/ec/m/uint8/refused", content=normal)
         assert refused.status_code == 503  # every slot held, for now
         for trickler in tricklers:
@@ -115,6 +117,25 @@ def _closed_within(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
     return data, time.monotonic() - start
 
 
+def _accepted(srv: ServerProcess, ports: set[int]) -> int:
+    """How many connections from the client ``ports`` the server process holds a socket
+    of: accepted, not just queued by the kernel (which completes handshakes before
+    ``accept``)."""
+    assert srv.proc is not None
+    inodes = set()
+    for fd in Path(f"/proc/{srv.proc.pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()  # sl, local, remote, state, ..., inode (the 10th)
+        if fields[9] in inodes and int(fields[2].rsplit(":", 1)[1], 16) in ports:
+            count += 1
+    return count
+
+
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -157,8 +178,9 @@ def test_slowloris_heads_are_answered_408_and_closed(tmp_path: Path) -> None:
         thread = threading.Thread(target=trickle, daemon=True)
         thread.start()
         try:
-            time.sleep(0.3)
-            assert httpx.get(srv.url + "/healthz").status_code == 200  # others are served
+            # Every loris is in (its connection counted), then others are still served.
+            wait_for(lambda: _metric(srv.url, "ec_connections_open") >= 21, "the lorises")
+            assert httpx.get(srv.url + "/healthz").status_code == 200
             for sock in lorises:
                 response = rawhttp.read_response(sock)
                 assert response.status == 408
@@ -199,8 +221,12 @@ def test_stalled_reader_is_dropped_and_frees_its_slot(tmp_path: Path) -> None:
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         stalled.connect(("127.0.0.1", srv.port))
         stalled.sendall(b"GET /ec/m/uint8/large HTTP/1.1\r\nHost: x\r\n\r\n")
-        time.sleep(3)  # reads nothing: the server must give up on it
-        assert _metric(srv.url, 'ec_connections_dropped_total{reason="send_timeout"}') == 1
+        # It reads nothing: the server must give up on it (send_timeout: 1 s).
+        wait_for(
+            lambda: _metric(srv.url, 'ec_connections_dropped_total{reason="send_timeout"}') == 1,
+            "the stalled reader to be dropped",
+            timeout=15,
+        )
         # The slot is free and the next reader gets every byte.
         assert httpx.get(srv.url + "/ec/m/uint8/large").content == data
         received, _ = _closed_within(stalled, 5)
@@ -213,7 +239,9 @@ def test_connections_beyond_the_bound_are_refused_at_once(tmp_path: Path) -> Non
         tmp_path / "d", tmp_path / "log", max_connections="20", keepalive_timeout="30"
     ) as srv:
         held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]
-        time.sleep(0.5)  # all accepted by the server
+        ports = {sock.getsockname()[1] for sock in held}
+        # All accepted by the server (asking /metrics would be a 21st connection).
+        wait_for(lambda: _accepted(srv, ports) == 20, "the server to accept all 20")
         extra = socket.create_connection(("127.0.0.1", srv.port))
         data, seconds = _closed_within(extra, 5)
         extra.close()
@@ -222,7 +250,7 @@ def test_connections_beyond_the_bound_are_refused_at_once(tmp_path: Path) -> Non
         assert b'"too_many_connections"' in data
         for sock in held:
             sock.close()
-        time.sleep(0.5)
+        wait_for(lambda: _accepted(srv, ports) == 0, "the server to close them too")
         assert httpx.get(srv.url + "/healthz").status_code == 200
         assert _metric(srv.url, 'ec_connections_dropped_total{reason="limit"}') == 1
 
@@ -238,6 +266,6 @@ def test_upgrade_requests_are_plain_http(server: ServerProcess) -> None:
     }
     for _ in range(3):
         assert rawhttp.request(server.port, "GET", "/healthz", upgrade).status == 200
-    time.sleep(0.2)
-    assert _metric(server.url, "ec_connections_open") == 1  # this request's own
+    # Closed, not switched: only the metrics request's own connection stays open.
+    wait_for(lambda: _metric(server.url, "ec_connections_open") == 1, "the upgrades to close")
     assert "WebSocket" not in server.log_path.read_text()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import httpx
 import pytest
 
 from testkit.entries import body
+from testkit.polling import wait_for
 from testkit.server import ServerProcess
 from tests.e2e import rawhttp
 
@@ -90,10 +90,7 @@ def test_concurrent_uploads_reserve_their_space(small_fs: Path, tmp_path: Path) 
             + first[:MB]
         )
         # Wait until the first upload is in (its temp file exists): it holds 12 MB.
-        for _ in range(100):
-            if list((small_fs / "d" / "tmp").iterdir()):
-                break
-            time.sleep(0.05)
+        wait_for(lambda: list((small_fs / "d" / "tmp").iterdir()), "the first upload", 5)
         # 12 + 12 MB cannot both fit in 20 MiB: the second is told to come back.
         refused = rawhttp.request(
             srv.port,

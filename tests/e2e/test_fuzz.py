@@ -9,11 +9,13 @@ driven with hypothesis directly.)
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.core.result import Ok
 
 from testkit.server import ServerProcess
 
@@ -39,6 +41,7 @@ def test_no_generated_request_makes_a_server_error(server: ServerProcess) -> Non
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     tried: dict[str, int] = {}
     for result in schema.get_all_operations():
+        assert isinstance(result, Ok), result.err()
         operation = result.ok()
         tried[f"{operation.method.upper()} {operation.path}"] = 0
 
@@ -49,7 +52,7 @@ def test_no_generated_request_makes_a_server_error(server: ServerProcess) -> Non
             suppress_health_check=list(HealthCheck),
             database=None,
         )
-        def check(case: schemathesis.Case) -> None:
+        def check(case: schemathesis.Case[Any]) -> None:
             label = f"{case.method.upper()} {case.operation.path}"
             tried[label] += 1
             response = case.call(base_url=server.url, timeout=30)

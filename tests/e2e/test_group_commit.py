@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from testkit.entries import body, crc_hex
+from testkit.polling import wait_for
 from testkit.server import ServerProcess
 from tests.e2e import rawhttp
 
@@ -64,10 +64,7 @@ def test_concurrent_puts_share_one_commit(server: ServerProcess) -> None:
                 f"Content-Length: {len(data)}\r\nX-EC-CRC32C: {crc_hex(data)}\r\n\r\n"
             ).encode()
             sock.sendall(head + data[: len(data) // 2])
-        deadline = time.monotonic() + 30  # a wait for the server, not a timing check
-        while _stats(server)["writes_in_flight"] < UPLOADS:
-            assert time.monotonic() < deadline, _stats(server)
-            time.sleep(0.02)
+        wait_for(lambda: server.uploads_in_flight() >= UPLOADS, "every upload under way")
         for sock, data in zip(sockets, bodies, strict=True):
             sock.sendall(data[len(data) // 2 :])
         answers = [_read_response(sock) for sock in sockets]
@@ -128,10 +125,7 @@ def test_the_loser_of_a_race_in_one_batch_is_answered_with_the_stored_entry(
             sockets.append(sock)
             head = f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
             sock.sendall(head.encode() + data[:1000])
-        deadline = time.monotonic() + 30  # a wait for the server, not a timing check
-        while _stats(server)["writes_in_flight"] < 2:
-            assert time.monotonic() < deadline, _stats(server)
-            time.sleep(0.02)
+        wait_for(lambda: server.uploads_in_flight() >= 2, "both uploads under way")
         for sock, data in zip(sockets, bodies, strict=True):
             sock.sendall(data[1000:])
         answers = []

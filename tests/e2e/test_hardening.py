@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from testkit.entries import body
+from testkit.polling import wait_for
 from testkit.server import ServerProcess
 from tests.e2e import rawhttp
 
@@ -261,7 +262,7 @@ def test_concurrent_upload_cap_answers_503(tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "d", tmp_path / "log", max_concurrent_uploads="1") as srv:
         data = body((100_000,), "U8", 1)
         sock = _open_upload(srv.port, "/ec/m/uint8/slow", len(data), data[:1000])
-        time.sleep(0.3)
+        wait_for(lambda: srv.uploads_in_flight() == 1, "the first upload to hold the slot")
         refused = httpx.put(srv.url + "/ec/m/uint8/other", content=body((4,), "U8", 1))
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "1"
@@ -277,12 +278,18 @@ def test_sigterm_lets_in_flight_uploads_finish(fresh_server: ServerProcess) -> N
     fresh_server.start()
     data = body((2_000_000,), "U8", 1)
     sock = _open_upload(fresh_server.port, "/ec/m/uint8/inflight", len(data), data[:100_000])
-    time.sleep(0.2)
+    wait_for(lambda: fresh_server.uploads_in_flight() == 1, "the upload to be under way")
     assert fresh_server.proc is not None
     fresh_server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with pytest.raises(httpx.TransportError):  # no new connections once draining
-        httpx.get(fresh_server.url + "/healthz", timeout=2)
+
+    def refuses_connections() -> bool:
+        try:
+            httpx.get(fresh_server.url + "/healthz", timeout=2)
+        except httpx.TransportError:
+            return True
+        return False
+
+    wait_for(refuses_connections, "no new connections once draining", timeout=10)
     sock.sendall(data[100_000:])
     assert rawhttp.read_response(sock).status == 201
     sock.close()

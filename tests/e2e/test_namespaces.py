@@ -59,7 +59,11 @@ def test_usage_entries_and_purge(tmp_path: Path) -> None:
         after = None
         pages = 0
         while True:
-            params = {"model": "Qwen/VL@rev1", "dtype": "float16", "limit": 10}
+            params: dict[str, str | int] = {
+                "model": "Qwen/VL@rev1",
+                "dtype": "float16",
+                "limit": 10,
+            }
             page = httpx.get(
                 url + "/namespaces/entries",
                 params={**params, **({"after": after} if after else {})},

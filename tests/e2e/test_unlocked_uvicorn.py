@@ -1,7 +1,8 @@
 """The server on a uvicorn other than the locked one (``make`` installs uvicorn 0.34.3
-into ``.venv/other-uvicorn``): it warns, serves with uvicorn's stock httptools protocol
-instead of the adapter (app/http_protocol), and keeps its connection bound and
-keep-alive deadline through uvicorn's own settings."""
+into ``.venv/other-uvicorn``): it warns, serves with uvicorn's stock h11 protocol
+instead of the adapter (app/http_protocol), and keeps its connection bound, keep-alive
+deadline and a bound on request heads through uvicorn's own settings. Upgrade requests
+on it: tests/e2e/test_upgrade.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 
 from app.http_protocol import LOCKED
 from testkit.entries import body, crc_hex
+from testkit.polling import wait_for
 from testkit.server import ServerProcess
+from tests.e2e import rawhttp
 
 OTHER_UVICORN = Path(sys.prefix) / "other-uvicorn"
 ENTRY = "/ec/unlocked/test/bfloat16/h1"
@@ -37,7 +40,8 @@ def test_it_warns_and_names_the_versions(unlocked_server: ServerProcess) -> None
     log = unlocked_server.log_path.read_text()
     assert "uvicorn 0.34.3 is installed" in log
     assert f"written for httptools {LOCKED['httptools']}, uvicorn {LOCKED['uvicorn']}" in log
-    assert "stock httptools protocol" in log
+    assert "stock h11 protocol" in log
+    assert "would lose the body of a request carrying Upgrade:" in log
 
 
 def test_a_4_7_mb_entry_round_trips(unlocked_server: ServerProcess) -> None:
@@ -88,5 +92,17 @@ def test_connection_bound_and_keepalive_deadline(unlocked_server: ServerProcess)
     finally:
         for sock in held:
             sock.close()
-    time.sleep(0.2)  # uvicorn forgets the closed connections
-    assert httpx.get(f"{unlocked_server.url}/healthz").status_code == 200
+    # Served again once uvicorn has forgotten the closed connections (its limit counts them).
+    wait_for(
+        lambda: httpx.get(f"{unlocked_server.url}/healthz").status_code == 200,
+        "the server to serve again",
+    )
+
+
+def test_a_header_flood_is_cut_off(unlocked_server: ServerProcess) -> None:
+    """h11 bounds the head it buffers (``h11_max_incomplete_event_size``, set to the
+    adapter's bound): uvicorn's plain-text 400 comes before the flood is sent."""
+    flood = 16 * 1024 * 1024
+    sent, answer = rawhttp.flood_headers(unlocked_server.port, flood)
+    assert answer is not None and answer.status == 400
+    assert sent < flood

@@ -1,26 +1,46 @@
 """Requests that ask to switch protocols (``Upgrade: h2c``, what ``curl --http2`` sends
 on a plain-HTTP URL) against a real server: nothing is upgraded (``ws="none"``), so
 each is served as the plain HTTP/1.1 request it also is, body included, and the
-requests pipelined after it on the connection are served too.
+requests pipelined after it on the connection are served too. So on the locked uvicorn
+(the adapter, app/http_protocol) and on another one (the fallback: uvicorn's h11).
 
 httptools tells llhttp to skip an Upgrade request's body: the server ended such a PUT
-at its head and answered ``400 invalid_body`` (0 bytes received), or a 500."""
+at its head and answered ``400 invalid_body`` (0 bytes received), or a 500; uvicorn's
+stock httptools protocol, the fallback until it was h11, did so too, or reset the
+connection, and never answered what was pipelined behind."""
 
 from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from testkit.entries import body, crc_hex
 from testkit.server import ServerProcess
+from tests.e2e.test_unlocked_uvicorn import OTHER_UVICORN
 
 H2C = (
     "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
     "HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
 )
+
+
+@pytest.fixture(scope="module", params=["locked", "unlocked"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server on the locked uvicorn, and one on another (``make`` installs it)."""
+    root = tmp_path_factory.mktemp(request.param)
+    srv = ServerProcess(root / "data", root / "server.log")
+    if request.param == "unlocked":
+        if not (OTHER_UVICORN / "uvicorn").is_dir():
+            pytest.fail(f"{OTHER_UVICORN} is missing: `make .venv/.test` installs it")
+        srv.env["PYTHONPATH"] = str(OTHER_UVICORN)
+    with srv:
+        yield srv
 
 
 def _exchange(port: int, requests: bytes) -> list[tuple[int, bytes]]:

@@ -22,7 +22,7 @@ from app.tiers.s3.client import S3Client
 from app.tiers.s3.transfers import put_file
 from testkit.fault_proxy import FaultProxy
 from testkit.s3 import S3Endpoint, SeaweedFS, endpoint_from_env, seaweedfs_endpoint
-from testkit.server import ServerProcess
+from testkit.server import ServerProcess, settings_env
 
 MiB = 1024 * 1024
 
@@ -186,9 +186,9 @@ def make_server(tmp_path: Path, s3_endpoint: S3Endpoint, s3_prefix: str) -> Iter
         settings.setdefault("writeback_retry_min", "0.2")
         settings.setdefault("writeback_retry_max", "1")
         settings.setdefault("log_level", "info")
-        srv = ServerProcess(root / "data", root / "server.log", **settings)
+        srv = ServerProcess(root / "data", root / "server.log")
         srv.env.update(s3_endpoint.env(endpoint_url, prefix=s3_prefix))
-        srv.env.update({f"EC_{k.upper()}": str(v) for k, v in settings.items()})
+        srv.env.update(settings_env(settings))
         srv.env.update(env or {})
         servers.append(srv)
         return srv.start() if start else srv

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import httpx
 
 from testkit.entries import body
+from testkit.polling import wait_for
 from testkit.s3 import S3Endpoint
 from tests.s3.conftest import ServerFactory
 
@@ -35,9 +35,7 @@ def test_kill_mid_get_read_through_leaves_no_partial_entry(make_server: ServerFa
     got = httpx.get(f"{reader.url}/ec/m/uint8/big", timeout=120)
     assert got.status_code == 200
     assert got.content == data
-    deadline = time.monotonic() + 10
-    while not files(reader.data_dir / "objects") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: files(reader.data_dir / "objects"), "the fill to commit", timeout=10)
     assert len(files(reader.data_dir / "objects")) == 1
 
 
@@ -51,7 +49,7 @@ def test_kill_mid_write_through_put_stores_nothing_anywhere(
         f"PUT /ec/m/uint8/half HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode()
     )
     sock.sendall(data[: 12 << 20])
-    time.sleep(0.3)
+    wait_for(lambda: srv.uploads_in_flight() == 1, "the upload to be under way")
     srv.kill()
     sock.close()
     srv.start()

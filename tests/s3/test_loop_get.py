@@ -152,11 +152,11 @@ async def test_a_stalled_body_times_out_and_a_slow_one_does_not(
 
     def stall(sock: socket.socket) -> None:
         sock.sendall(answer_head(size) + b"x" * 1000)
-        time.sleep(3)
+        time.sleep(3)  # the behaviour under test: a body that stalls
 
     def trickle(sock: socket.socket) -> None:
         sock.sendall(answer_head(size))
-        for _ in range(10):  # 2 s in all, never 0.5 s without a byte
+        for _ in range(10):  # the behaviour under test: 2 s in all, never 0.5 s idle
             time.sleep(0.2)
             sock.sendall(b"y" * (size // 10))
 
@@ -262,7 +262,9 @@ async def test_a_slow_consumer_is_not_a_silent_s3(make_store: StoreFactory) -> N
     async with contextlib.aclosing(download):
         async for chunk in download.chunks():
             if not received:
-                await asyncio.sleep(0.8)  # S3 fills the read-ahead, then waits for us
+                # The behaviour under test: a slow consumer; S3 fills the read-ahead,
+                # then waits for us.
+                await asyncio.sleep(0.8)
             received += chunk
     assert received == data
 

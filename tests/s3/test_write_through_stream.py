@@ -9,7 +9,6 @@ no open multipart upload, no temp file); first writer wins.
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,11 +84,12 @@ def test_upload_starts_before_the_body_is_received(
 
     def body() -> Iterator[bytes]:
         yield data[:half]
-        deadline = time.monotonic() + 20
-        while s3_proxy.count("PUT", contains="/s2.safetensors") == 0:
-            if time.monotonic() > deadline:
-                raise AssertionError("S3 saw no PUT while the body was still coming")
-            time.sleep(0.01)
+        wait_for(
+            lambda: s3_proxy.count("PUT", contains="/s2.safetensors") > 0,
+            "S3 to see the PUT while the body is still coming",
+            timeout=20,
+            interval=0.01,
+        )
         yield data[half:]
 
     resp = a.put(
@@ -134,7 +134,7 @@ def test_client_gone_mid_body_leaves_nothing_anywhere(
     ).encode()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
         sock.sendall(head + data[: len(data) * 2 // 3])
-        time.sleep(0.5)  # the upload is under way
+        wait_for(lambda: srv.uploads_in_flight() == 1, "the upload to be under way")
     wait_for(lambda: temp_files(srv.data_dir) == [], "the temp file to go", 10)
     assert s3_object(s3_endpoint, s3_prefix, "gone") is None
     assert open_uploads(s3_endpoint, s3_prefix) == []

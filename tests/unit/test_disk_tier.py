@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -451,8 +452,16 @@ def test_only_durable_writes_are_synced(
     (tier.root / "objects" / _key("k").digest[:2]).mkdir()
     calls: list[str] = []
     real_fdatasync, real_fsync = os.fdatasync, os.fsync
-    monkeypatch.setattr(os, "fdatasync", lambda fd: (calls.append("fdatasync"), real_fdatasync(fd)))
-    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd)))
+
+    def recorded(name: str, real: Callable[[int], None]) -> Callable[[int], None]:
+        def call(fd: int) -> None:
+            calls.append(name)
+            real(fd)
+
+        return call
+
+    monkeypatch.setattr(os, "fdatasync", recorded("fdatasync", real_fdatasync))
+    monkeypatch.setattr(os, "fsync", recorded("fsync", real_fsync))
     monkeypatch.setattr(pending_module, "start_writeback", lambda *_: calls.append("writeback"))
     data = body((500,), "U8", 1)
     pending = _write(tier, "k", data, durable=durable)
@@ -470,7 +479,12 @@ def test_a_new_shard_directory_is_synced_for_a_copy_too(
     created: its name in ``objects/`` is made durable all the same."""
     synced: list[int] = []
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "fdatasync", lambda fd: pytest.fail("a copy was fdatasync'ed"))
     data = body((500,), "U8", 1)
     assert _write(tier, "k", data, durable=False).commit(crc32c(data), validate_body(data, "uint8"))

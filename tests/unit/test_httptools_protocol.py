@@ -20,6 +20,7 @@ from app.http_protocol.httptools_protocol import (
     WITH_HEAD_BYTES,
     ECHttpToolsProtocol,
 )
+from testkit.polling import async_wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -92,7 +93,7 @@ def app_answering(body: bytes = b"hello", *, pause: bool = False) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = [(b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        if pause:
+        if pause:  # the behaviour under test: the app awaits between head and body
             await asyncio.sleep(0.01)
         await send({"type": "http.response.body", "body": body})
 
@@ -113,14 +114,22 @@ def start(app: Any) -> tuple[ECHttpToolsProtocol, RecordingTransport]:
     return protocol, transport
 
 
+def answered(
+    transport: RecordingTransport, count: int, last_body: bytes, status: bytes = b"200 OK"
+) -> bool:
+    """Whether ``count`` answers of ``status`` were written, the last one's body too."""
+    written = b"".join(transport.writes)
+    return written.count(b"HTTP/1.1 " + status) >= count and written.endswith(last_body)
+
+
 async def serve(app: Any, request: bytes) -> RecordingTransport:
     protocol, transport = start(app)
     transport.deliver(request)
-    for _ in range(100):
-        await asyncio.sleep(0.001)
-        if protocol.cycle is not None and protocol.cycle.response_complete:
-            break
-    await asyncio.sleep(0.02)
+    await async_wait_for(
+        lambda: protocol.cycle is not None and protocol.cycle.response_complete,
+        "the response to complete",
+    )
+    await asyncio.sleep(0)  # the cycle's task ends (a keep-alive connection goes idle)
     protocol.connection_lost(None)
     return transport
 
@@ -172,7 +181,8 @@ def recording_upload_app(received: list[Any]) -> Any:
             if scope["method"] == "PUT":
                 received.append(message)
             more = message.get("more_body", False)
-            await asyncio.sleep(0.001)  # busy: pieces that arrive meanwhile wait
+            # The behaviour under test: a busy app, pieces that arrive meanwhile wait.
+            await asyncio.sleep(0.001)
         headers = [(b"content-length", b"%d" % len(scope["method"]))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": scope["method"].encode()})
@@ -180,11 +190,21 @@ def recording_upload_app(received: list[Any]) -> Any:
     return app
 
 
-async def feed(transport: RecordingTransport, pieces: list[bytes]) -> None:
-    """Each piece as it arrives from the socket, the app given time to take each."""
+def app_took_the_body(protocol: ECHttpToolsProtocol) -> bool:
+    """Whether the app holds every body byte that arrived (none waits in the cycle)."""
+    cycle = protocol.cycle
+    if cycle is None or cycle.response_complete:
+        return True
+    return not getattr(cycle, "pieces", None) and not cycle.body
+
+
+async def feed(
+    protocol: ECHttpToolsProtocol, transport: RecordingTransport, pieces: list[bytes]
+) -> None:
+    """Each piece as it arrives from the socket, once the app has taken the last one."""
     for piece in pieces:
         transport.deliver(piece)
-        await asyncio.sleep(0.005)
+        await async_wait_for(lambda: app_took_the_body(protocol), "the app to take the body")
 
 
 async def test_an_upload_body_is_read_into_buffers_handed_to_the_app() -> None:
@@ -198,10 +218,10 @@ async def test_an_upload_body_is_read_into_buffers_handed_to_the_app() -> None:
     body_pieces = [bytes([n]) * (400_000 + n) for n in range(1, 5)]
     length = 2 + sum(len(piece) for piece in body_pieces)
     head_and_start = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % length
-    await feed(transport, [head_and_start + b"ab", *body_pieces[:-1]])
+    await feed(protocol, transport, [head_and_start + b"ab", *body_pieces[:-1]])
     # The body's last bytes and the next request arrive together.
-    await feed(transport, [body_pieces[-1] + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
-    await asyncio.sleep(0.05)
+    await feed(protocol, transport, [body_pieces[-1] + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await async_wait_for(lambda: answered(transport, 2, b"GET"), "both requests to be answered")
     protocol.connection_lost(None)
 
     assert received[0]["body"] == b"ab"  # came with the head: through the parser
@@ -223,11 +243,12 @@ async def test_a_body_after_100_continue_is_read_into_buffers_from_its_second_re
     protocol, transport = start(recording_upload_app(received))
     pieces = [bytes([n]) * 300_000 for n in range(1, 4)]
     head = b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 900000\r\nExpect: 100-continue\r\n\r\n"
-    await feed(transport, [head])
+    await feed(protocol, transport, [head])
+    await async_wait_for(lambda: transport.writes, "the app to ask for the body")
     assert transport.protocol is protocol  # nothing of the body yet
     assert transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
-    await feed(transport, pieces)
-    await asyncio.sleep(0.05)
+    await feed(protocol, transport, pieces)
+    await async_wait_for(lambda: answered(transport, 1, b"PUT"), "the PUT to be answered")
     protocol.connection_lost(None)
     assert [bytes(m["body"]) for m in received] == pieces
     assert type(received[0]["body"]) is bytes
@@ -243,7 +264,7 @@ async def test_pieces_that_arrive_while_the_app_is_busy_are_handed_over_in_order
     transport.deliver(b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 20000\r\n\r\n")
     for piece in pieces:  # all in before the app runs again
         transport.deliver(piece)
-    await asyncio.sleep(0.05)
+    await async_wait_for(lambda: answered(transport, 1, b"PUT"), "the PUT to be answered")
     protocol.connection_lost(None)
     assert [bytes(m["body"]) for m in received] == pieces
     assert [m["more_body"] for m in received] == [True] * 19 + [False]
@@ -263,10 +284,12 @@ async def test_the_rest_of_a_body_answered_early_is_discarded() -> None:
         await send({"type": "http.response.body", "body": b""})
 
     protocol, transport = start(refuse)
-    await feed(transport, [b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 300000\r\n\r\n"])
-    await feed(transport, [bytes(100_000), bytes(100_000)])
-    await feed(transport, [bytes(100_000) + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
-    await asyncio.sleep(0.05)
+    await feed(
+        protocol, transport, [b"PUT /x HTTP/1.1\r\nHost: a\r\nContent-Length: 300000\r\n\r\n"]
+    )
+    await feed(protocol, transport, [bytes(100_000), bytes(100_000)])
+    await feed(protocol, transport, [bytes(100_000) + b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await async_wait_for(lambda: answered(transport, 2, b"", b"412 "), "both answered")
     protocol.connection_lost(None)
     assert requests == ["PUT", "GET"]
     assert b"".join(transport.writes).count(b"HTTP/1.1 412 ") == 2
@@ -277,8 +300,8 @@ async def test_a_chunked_upload_is_framed_by_the_parser() -> None:
     protocol, transport = start(recording_upload_app(received))
     request = b"PUT /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
     chunks = [b"5\r\nhello\r\n", b"6\r\n world\r\n", b"0\r\n\r\n"]
-    await feed(transport, [request, *chunks, b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
-    await asyncio.sleep(0.05)
+    await feed(protocol, transport, [request, *chunks, b"GET /y HTTP/1.1\r\nHost: a\r\n\r\n"])
+    await async_wait_for(lambda: answered(transport, 2, b"GET"), "both requests to be answered")
     protocol.connection_lost(None)
     assert b"".join(m["body"] for m in received) == b"hello world"
     assert b"".join(transport.writes).count(b"HTTP/1.1 200 OK") == 2

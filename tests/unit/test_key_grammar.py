@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from ec_cache import InvalidKeyError
 from ec_cache._exists import exists_body
+from ec_cache._tensors import CODES as SDK_CODES
 from ec_cache._tensors import DTYPES as SDK_DTYPES
 from ec_cache._tensors import check_hash, check_hashes, check_model, parse_dtype
 from ec_cache._vllm.config import check_model_namespace
@@ -64,6 +65,10 @@ def test_invalid_model(model: str) -> None:
 def test_dtype_lists_are_the_table() -> None:
     assert list(SERVER_DTYPES) == TABLE["dtype"]["valid"]
     assert list(SDK_DTYPES) == TABLE["dtype"]["valid"]
+    # The SDK's torch-free copy: the same safetensors code and item size per name as
+    # the server's, and torch's own item size.
+    assert SDK_CODES == SERVER_DTYPES
+    assert all(SDK_DTYPES[name][0].itemsize == size for name, (_, size) in SDK_CODES.items())
 
 
 @pytest.mark.parametrize("dtype", _cases("dtype", "valid"))
@@ -110,7 +115,8 @@ def test_a_batch_of_valid_hashes() -> None:
     assert check_hashes(iter(valid)) == valid and check_hashes([]) == []
     assert key_digests("m/x", "uint8", valid) == [key_digest("m/x", "uint8", h) for h in valid]
     # exists_many's body joins checked hashes as JSON strings without escaping them
-    for batch in (valid, valid[:1], []):
+    batches: list[list[str]] = [valid, valid[:1], []]
+    for batch in batches:
         stream, headers = exists_body(batch)
         content = b"".join(stream)
         assert json.loads(content) == {"hashes": batch}

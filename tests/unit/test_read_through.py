@@ -24,6 +24,7 @@ from app.tiers.base import Backend, RemoteInfo, RemotePut
 from app.tiers.disk import DiskTier, PendingWrite
 from app.tiers.read_through import ReadThrough
 from testkit.entries import body
+from testkit.polling import async_wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -98,8 +99,11 @@ class MemoryBackend:
 
     async def put_file(
         self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
-    ) -> None:
+    ) -> bool:
+        if key in self.entries:
+            return False  # first writer wins, as S3's conditional write
         self.entries[key] = (Path(path).read_bytes(), crc32c)
+        return True
 
     def begin_put(
         self, key: EntryKey, size: int, crc32c: int, header: TensorHeader
@@ -167,7 +171,10 @@ async def test_concurrent_misses_make_one_read_and_fill_the_disk(
     backend.entries[KEY] = (data, crc32c(data))
     backend.gate.clear()  # hold the body until every reader joined
     readers = [asyncio.create_task(read(reader, KEY)) for _ in range(5)]
-    await asyncio.sleep(0.01)
+    await async_wait_for(
+        lambda: KEY.digest in reader._fills and reader._fills[KEY.digest]._readers == 5,
+        "the five readers to join one fill",
+    )
     backend.gate.set()
     assert await asyncio.gather(*readers) == [data] * 5
     assert backend.opens == 1
@@ -296,9 +303,12 @@ async def test_a_fill_stops_reading_when_the_disk_falls_too_far_behind(
     data = body((64, 64))  # 16 KiB, read in 100-byte chunks
     backend.entries[KEY] = (data, crc32c(data))
     reading = asyncio.create_task(read(reader, KEY))
-    await asyncio.sleep(0.2)
     # The batch in the writer thread (what waited while the file was created: just
-    # over 1000 bytes) and just over 1000 more waiting behind it; nothing beyond.
+    # over 1000 bytes) and just over 1000 more waiting behind it; nothing beyond, however
+    # many turns the loop takes.
+    await async_wait_for(lambda: backend.yielded >= 2200, "the fill to read 2200 bytes")
+    for _ in range(100):
+        await asyncio.sleep(0)
     assert backend.yielded == 2200 and not reading.done()
     stalled_disk.set()
     assert await asyncio.wait_for(reading, 5) == data

@@ -22,7 +22,7 @@ def test_a_streamed_body_stops_when_the_client_is_gone() -> None:
         try:
             for i in range(1000):
                 pulled.append(i)
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.001)  # the behaviour under test: a slow producer
                 yield b"x"
         finally:
             closed.set()

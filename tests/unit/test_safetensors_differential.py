@@ -274,7 +274,7 @@ def apply(draw: st.DrawFn, case: Case, kind: str, info: Obj, nbytes: int) -> Non
     elif kind == "string":
         text = draw(st.sampled_from(STRINGS))
         target = draw(st.sampled_from(objects(top)))
-        if target.pairs and draw(st.booleans()):
+        if len(target.pairs) > 0 and draw(st.booleans()):
             index = draw(st.integers(0, len(target.pairs) - 1))
             target.pairs[index] = (text, target.pairs[index][1])
         else:

@@ -31,7 +31,13 @@ def test_s3_backend_does_not_know_the_disk() -> None:
     for path in sorted((APP / "tiers" / "s3").glob("*.py")):
         for name in imported(path):
             assert not name.startswith(
-                ("app.tiers.disk", "app.tiers.read_through", "app.tiers.upload_queue", "app.store")
+                (
+                    "app.tiers.disk",
+                    "app.tiers.read_through",
+                    "app.tiers.upload_",
+                    "app.write_policy",
+                    "app.store",
+                )
             ), f"{path.name} imports {name}"
 
 
@@ -39,7 +45,7 @@ def test_s3_backend_loads_without_the_disk_side() -> None:
     code = (
         "import sys, app.tiers.s3\n"
         "loaded = [m for m in sys.modules if m.startswith(('app.tiers.disk', "
-        "'app.tiers.read_through', 'app.tiers.upload_queue', 'app.store'))]\n"
+        "'app.tiers.read_through', 'app.tiers.upload_', 'app.write_policy', 'app.store'))]\n"
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=APP.parent)

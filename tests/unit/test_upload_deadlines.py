@@ -12,6 +12,7 @@ import pytest
 from app.errors import SlowClient
 from app.settings import Settings
 from app.upload_deadlines import with_deadlines
+from testkit.polling import async_wait_for
 
 
 def _settings(tmp_path: Path, **limits: float) -> Settings:
@@ -25,10 +26,15 @@ def _settings(tmp_path: Path, **limits: float) -> Settings:
     return Settings(data_dir=tmp_path, **values)  # type: ignore[arg-type]
 
 
-async def _client(gaps: list[float], size: int = 1000) -> AsyncIterator[bytes]:
-    """A client sending ``size``-byte chunks, each after a pause of ``gaps[i]`` s."""
-    for gap in gaps:
+async def _client(
+    gaps: list[float], size: int = 1000, sent: list[int] | None = None
+) -> AsyncIterator[bytes]:
+    """A client sending ``size``-byte chunks, each after a pause of ``gaps[i]`` s (the
+    pacing under test); ``sent`` gets each chunk's number as it goes."""
+    for number, gap in enumerate(gaps):
         await asyncio.sleep(gap)
+        if sent is not None:
+            sent.append(number)
         yield b"x" * size
 
 
@@ -79,12 +85,15 @@ def test_a_cancellation_from_elsewhere_stays_a_cancellation(tmp_path: Path) -> N
     settings = _settings(tmp_path, body_read_timeout=0.1)
 
     async def main() -> None:
-        reader = asyncio.create_task(_read(with_deadlines(_client([0.0, 5.0]), settings)))
-        await asyncio.sleep(0.02)
+        sent: list[int] = []
+        reader = asyncio.create_task(
+            _read(with_deadlines(_client([0.0, 5.0], sent=sent), settings))
+        )
+        await async_wait_for(lambda: sent, "the first chunk")  # its deadline is armed
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
-        # Its timer went with it: nothing cancels this task later.
+        # Its timer went with it: nothing cancels this task later (twice the timeout).
         await asyncio.sleep(0.2)
 
     asyncio.run(main())

@@ -43,7 +43,7 @@ def defer_until(loop: EngineLoop, request: Request, counter: str) -> None:
 
     def stepped() -> bool:
         assert loop.run([request]).deferred == [request.request_id]
-        return loop.sched.counters().get(counter, 0) >= 1
+        return bool(loop.sched.counters().get(counter, 0) >= 1)
 
     wait_for(stepped, f"{counter} on {request.request_id}")
 

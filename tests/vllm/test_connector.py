@@ -174,6 +174,17 @@ def test_stats_through_vllm_hooks(
     assert REGISTRY.get_sample_value("vllm:ec_cache_prefetch_started_total", labels) == 1
     assert REGISTRY.get_sample_value("vllm:ec_cache_prefetch_bytes_held", labels) == 1024
 
+    # Every counter of docs/vllm.md, as vllm:ec_cache_<name>_total.
+    documented = _documented_counters() - {"prefetch_bytes_held"}
+    before = {
+        name: REGISTRY.get_sample_value(f"vllm:ec_cache_{name}_total", labels) or 0
+        for name in documented
+    }
+    prom.observe({name: 3 for name in documented}, 0)
+    for name in documented:
+        after = REGISTRY.get_sample_value(f"vllm:ec_cache_{name}_total", labels)
+        assert after == before[name] + 3, name
+
 
 # ---------------------------------------------------------- replicas and auth
 
@@ -252,3 +263,31 @@ def test_token_is_sent_and_a_bad_one_is_a_miss(
         assert bad.counters()["misses_outage"] == 1
     finally:
         srv.stop()
+
+
+def _documented_counters() -> set[str]:
+    """The counters of docs/vllm.md's Metrics table (the first column's names)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "vllm.md").read_text()
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`([a-z_]+)`", row)}
+
+
+def test_every_counter_is_documented() -> None:
+    """docs/vllm.md lists each counter the connector's code adds, and nothing else
+    (test_stats_through_vllm_hooks: each listed one reaches Prometheus)."""
+    import re
+    from pathlib import Path
+
+    import ec_cache._vllm as parts
+
+    source = "\n".join(p.read_text() for p in Path(parts.__file__).parent.glob("*.py"))
+    added = {  # the names in each first argument ("hits" if answer else "misses")
+        name
+        for argument in re.findall(r"counters\.(?:add|set)\(([^,)]*)", source)
+        for name in re.findall(r'"([a-z_]+)"', argument)
+    }
+    assert added == _documented_counters()

@@ -188,4 +188,5 @@ def test_build_connector_meta_carries_the_loads(
         shipped.ec_connector_metadata.scheduled_encoder_inputs is shipped.scheduled_encoder_inputs
     )
     # The state is reset for the next step.
-    assert sched.build_connector_meta(SchedulerOutput.make_empty()).loads == []
+    empty = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert isinstance(empty, ECCacheConnectorMetadata) and empty.loads == []

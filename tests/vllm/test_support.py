@@ -150,7 +150,7 @@ def test_stats_reduce_and_aggregate() -> None:
     assert out["hit_rate"] == 0.75 and out["exists_avg_ms"] == 2.0
     assert out["load_avg_ms"] == 500.0 and "load_seconds" not in out
     assert not merged.is_empty()
-    merged.reset()
+    merged.reset()  # type: ignore[no-untyped-call]  # vLLM's method, unannotated
     assert merged.is_empty()
 
 

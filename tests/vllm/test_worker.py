@@ -224,6 +224,7 @@ def test_wrong_shape_is_not_loaded(
     extra = {"url": server.url, "model": model, "dtype": DTYPE, **SYNC}
     sched, worker = connector(SCHED, extra), connector(WORKER, extra)
     out, _ = step(sched, [make_request([h], rows=16, req_id="r-shape")])
+    assert out.ec_connector_metadata is not None
     worker.bind_connector_metadata(out.ec_connector_metadata)
     cache: dict[str, torch.Tensor] = {}
     worker.start_load_caches(cache)
@@ -438,15 +439,16 @@ def test_pooled_staging_returns_its_buffers(server: Server) -> None:
 
 def test_small_entries_stay_within_a_small_budget(server: Server) -> None:
     """The budget bounds the pooled memory really taken (buffer capacities, idle ones
-    included), and buffers are reused across sizes: 300 orders of 6 to 24 KiB through
-    a 192 KiB budget (before: every buffer was 1 MiB at least, 64 entries of 32 KiB
-    "within" 2 MiB held 64 MiB, and 258 of 300 orders allocated a new buffer)."""
+    included), and buffers are reused across sizes: 300 orders of 1 to 12 KiB (a
+    buffer is 4 KiB at least) through a 48 KiB budget. (Before: every buffer was 1 MiB
+    at least and the budget counted entry bytes: 64 entries of 32 KiB "within" 2 MiB
+    held 64 MiB, and 258 of 300 orders allocated a new buffer.)"""
     model = ns()
-    rows = [3 + (i * 7) % 10 for i in range(30)]  # 3..12 rows of 1024 bfloat16
+    rows = [1 + (i * 7) % 12 for i in range(30)]  # 1..12 rows of 512 bfloat16
     keys = [mm_hash() for _ in rows]
     for i, (key, n) in enumerate(zip(keys, rows, strict=True)):
-        put_raw(server, model, key, embeds(rows=n, width=1024, seed=i))
-    budget = 192 << 10
+        put_raw(server, model, key, embeds(rows=n, width=512, seed=i))
+    budget = 48 << 10
     pool = BufferPool(budget, pinned=False, steps=16, min_capacity=ec_worker.STAGING_MIN_BYTES)
     counters = Counters()
     with ec_cache.Client(server.url, model=model, dtype=DTYPE) as client:
@@ -457,28 +459,40 @@ def test_small_entries_stay_within_a_small_budget(server: Server) -> None:
         try:
             for round_ in range(10):
                 for i, (key, n) in enumerate(zip(keys, rows, strict=True)):
-                    prefetcher.submit(PrefetchOrder(100 * round_ + i, key, key, n, 1024))
-                wait_for(  # the budget binds: 30 entries need about 450 KiB
-                    lambda waits=round_: counters.totals().get("prefetch_budget_waits", 0) > waits,
-                    "a prefetch waiting for room",
-                    timeout=10,
-                    interval=0.01,
-                )
-                for i, key in enumerate(keys):  # taken as vLLM would, one by one
-                    entry = prefetcher.take(key, time.monotonic() + 30)
-                    assert entry is not None
-                    on_device = entry.to_device(torch.device("cpu"))
-                    assert torch.equal(on_device, embeds(rows=rows[i], width=1024, seed=i))
-                    stats = pool.stats()
-                    assert stats["leased_bytes"] + stats["idle_bytes"] <= budget
+                    prefetcher.submit(PrefetchOrder(100 * round_ + i, key, key, n, 512))
+                waits = round_ + 1  # the budget binds: 30 entries need about 200 KiB
+
+                def waited(waits: int = waits) -> bool:
+                    return counters.totals().get("prefetch_budget_waits", 0) >= waits
+
+                wait_for(waited, "a prefetch waiting for room", timeout=10, interval=0.01)
+                left = set(range(len(keys)))
+                while left:  # taken as vLLM would: what is held, one by one
+                    held: set[int] = set()
+
+                    def some_held(held: set[int] = held) -> bool:
+                        held.update(prefetcher.report().ready)
+                        return bool(held)
+
+                    wait_for(some_held, "an entry held", timeout=30, interval=0.005)
+                    for i in sorted(order_id - 100 * round_ for order_id in held):
+                        entry = prefetcher.take(keys[i], time.monotonic())
+                        assert entry is not None
+                        on_device = entry.to_device(torch.device("cpu"))
+                        assert torch.equal(on_device, embeds(rows=rows[i], width=512, seed=i))
+                        stats = pool.stats()
+                        assert stats["leased_bytes"] + stats["idle_bytes"] <= budget
+                        left.discard(i)
                 assert prefetcher.held_bytes == 0
         finally:
             prefetcher.close()
     stats = pool.stats()
     assert counters.totals()["prefetch_fetched"] == 300
     assert stats["peak_bytes"] <= budget
-    # At most what fills the budget once or twice over, not one per order.
-    assert stats["allocated"] <= 2 * budget // (6 << 10)
+    print(f"\npool after 300 orders: {stats}")  # the figures of the issue note (pytest -s)
+    # Sizes spread over 36 size classes, and a full budget drops an idle buffer too
+    # small for the next entry now and then (14-23 allocations measured; 258 before).
+    assert stats["allocated"] < 50
     assert stats["reused"] >= 300 - stats["allocated"]
 
 
@@ -555,9 +569,9 @@ def test_a_trickling_replica_does_not_stall_healthy_prefetches(server: Server) -
 
 def test_a_released_fetch_frees_its_slot_and_bytes_at_once(server: Server) -> None:
     """One thread, a fetch trickling in (no rate floor, a 60 s deadline): releasing
-    it frees its bytes before ``release`` returns and its thread slot for the next
-    order, which loads from the healthy replica; the trickle's connection is closed
-    within the stop poll. (Before: the job was only marked, its bytes stayed
+    it frees its bytes before ``release`` returns, and its thread for the next order
+    (which loads from the healthy replica) once the SDK saw ``stop``; the trickle's
+    connection is closed. (Before: the job was only marked, its bytes stayed
     reserved and the next order waited behind it.)"""
     model = ns()
     hostile = HostileServer(_trickle(body_of(embeds(), "bfloat16")))

@@ -29,7 +29,11 @@ from tests.vllm_engine.conftest import (
 
 LOAD_TIMEOUT_S = 2.0
 # Timeouts short enough for a test, as an operator would set them for a fast fallback.
-FAST_FAILURE = {"load_timeout_s": LOAD_TIMEOUT_S, "upload_timeout_s": 2, "save": False}
+FAST_FAILURE: dict[str, Any] = {
+    "load_timeout_s": LOAD_TIMEOUT_S,
+    "upload_timeout_s": 2,
+    "save": False,
+}
 
 
 @pytest.fixture(scope="module")

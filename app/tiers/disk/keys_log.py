@@ -21,7 +21,7 @@ from pathlib import Path
 
 from app.errors import InvalidKey
 from app.keys import EntryKey
-from app.tiers.disk.file_sync import fsync_dir
+from app.tiers.disk.file_sync import write_durably
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,7 @@ class KeysLog:
             path = self.path
             if not keys and not path.exists():
                 return  # created by the first commit
-            temp = path.with_name(KEYS_LOG + ".tmp")
-            with open(temp, "wb") as out:
-                out.write(b"".join(map(_key_line, keys)))
-                out.flush()
-                os.fsync(out.fileno())
-            os.rename(temp, path)
-            fsync_dir(path.parent)
+            write_durably(path, b"".join(map(_key_line, keys)))
             if self._fd is not None:
                 os.close(self._fd)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)

@@ -5,6 +5,7 @@ Layout (the name is a digest of the key because hashes may exceed NAME_MAX)::
     {data_dir}/objects/{digest[:2]}/{digest}.{crc32c hex}.safetensors
     {data_dir}/tmp/        in-flight writes, removed at start-up
     {data_dir}/keys.log    the key of each entry (``keys_log``)
+    {data_dir}/ec-cache.lock  held by the server that owns the directory (``data_dir``)
 
 Writes go to ``tmp/`` (``pending``) and are published by the group commit
 (``group_commit``), which makes them durable first. Committed files are immutable; each
@@ -36,6 +37,7 @@ from app.keys import EntryKey, key_digests
 from app.metrics import DiskCommitMetrics
 from app.safetensors_format import validate_body
 from app.tiers.base import EntryBody, EntryInfo
+from app.tiers.disk.data_dir import DataDir
 from app.tiers.disk.group_commit import Commit, GroupCommitter
 from app.tiers.disk.keys_log import KeysLog
 from app.tiers.disk.lru import Entry, LruIndex, Signature, signature
@@ -99,6 +101,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.objects = root / "objects"
         self.tmp = root / "tmp"
+        self.data_dir = DataDir(root)
         self._statvfs = statvfs
         self._writes: set[PendingWrite] = set()  # in flight, with their reservations
         self._lock = threading.Lock()
@@ -112,13 +115,22 @@ class DiskTier:
         self._committed_entries = 0
 
     def close(self) -> None:
-        """Finish the commits handed over and stop the committer thread."""
+        """Finish the commits handed over, stop the committer thread and release the
+        data directory."""
         self.committer.close()
+        self.data_dir.release()
 
     # -- start-up -----------------------------------------------------------------
 
+    def claim(self) -> None:
+        """Lock the data directory for this process and check its layout (before anything
+        in it is touched: the server does this ahead of start-up). Raises
+        ``DataDirError`` with a one-line message."""
+        self.data_dir.claim()
+
     def rebuild(self) -> None:
         """Create the folders, drop stray temp files and load the index from disk."""
+        self.data_dir.check_layout()
         self.objects.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
         for stray in self.tmp.iterdir():

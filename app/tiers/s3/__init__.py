@@ -9,7 +9,10 @@
   failures, and botocore's "standard" retry policy (``app.retries`` retries);
 * ``objects``: what S3 says about an object (size, CRC32C, metadata), parsed;
 * ``download``: an open GET, its body read in chunks;
+* ``botocore_adapter``: the one door to botocore's internals; the data plane (GETs,
+  single PUTs) on the locked botocore, else plain boto3 calls;
 * ``get_transport``: which transport the read path's GET takes;
+* ``ranged_get``: a large object's GET as concurrent ranged GETs, handed on in order;
 * ``loop_get``: the read path's GET, read on the event loop;
 * ``signed_get``: the same GET on botocore's transport, for an endpoint behind a proxy;
 * ``signed_put``: the single-part upload, without boto3's per-call pipeline;

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from types import TracebackType
 
 from prometheus_client import CollectorRegistry
@@ -30,8 +31,9 @@ from app.keys import EntryKey
 from app.safetensors_format import MAX_HEADER_BYTES, PREFIX_BYTES, BodyValidator, TensorHeader
 from app.settings import Settings
 from app.tiers.base import Chunk, RemoteInfo
-from app.tiers.s3 import readiness, transfers
+from app.tiers.s3 import conditional, readiness, transfers
 from app.tiers.s3.client import S3Client
+from app.tiers.s3.conditional import UNKNOWN, ConditionalWrites
 from app.tiers.s3.download import S3Download
 from app.tiers.s3.errors import S3Error, S3Unavailable
 from app.tiers.s3.objects import ObjectInfo
@@ -130,9 +132,9 @@ class S3Put:
     async def feed(self, chunks: Sequence[bytes | memoryview]) -> None:
         await self._upload.feed(chunks)
 
-    async def finish(self) -> None:
+    async def finish(self) -> bool:
         with http_errors():
-            await self._upload.finish()
+            return await self._upload.finish()
 
     async def abort(self) -> None:
         await self._upload.abort()
@@ -146,6 +148,8 @@ class S3Backend:
     def __init__(self, client: S3Client) -> None:
         self.client = client
         self.readiness_state: Readiness | None = None
+        #: Which writes S3 settles itself (``If-None-Match: *``), probed once S3 is ready.
+        self.conditional: ConditionalWrites | None = None
 
     @classmethod
     def from_settings(
@@ -199,27 +203,42 @@ class S3Backend:
 
     async def put_file(
         self, key: EntryKey, path: str | os.PathLike[str], crc32c: int, header: TensorHeader
-    ) -> None:
-        """Put a local file (verified to have ``crc32c``) as the entry's object."""
+    ) -> bool:
+        """Put a local file (verified to have ``crc32c``) as the entry's object, unless
+        the key has one (False). S3 settles that itself where it honours
+        ``If-None-Match: *`` (``app.tiers.s3.conditional``); elsewhere, and before a
+        multipart upload (not to send a large body for nothing), a ``HEAD`` asks first."""
+        multipart = os.stat(path).st_size >= self.client.settings.s3_multipart_threshold
+        honoured = self.conditional or UNKNOWN
+        if_absent = honoured.complete_multipart if multipart else honoured.put
+        if (multipart or not if_absent) and await self.contains(key):
+            return False
         with http_errors():
-            await transfers.put_file(
+            return await transfers.put_file(
                 self.client,
                 self.object_key(key),
                 path,
                 crc32c=crc32c,
                 metadata=entry_metadata(header),
+                if_absent=if_absent,
             )
 
     def begin_put(
         self, key: EntryKey, size: int, crc32c: int, header: TensorHeader
     ) -> S3Put | None:
         """A single ``PutObject`` streamed from the receive, below the multipart
-        threshold (above it the body goes up in parts from the committed file)."""
+        threshold (above it the body goes up in parts from the committed file);
+        conditional where S3 honours it."""
         if size >= self.client.settings.s3_multipart_threshold:
             return None
         return S3Put(
             transfers.StreamingPut(
-                self.client, self.object_key(key), size, crc32c, entry_metadata(header)
+                self.client,
+                self.object_key(key),
+                size,
+                crc32c,
+                entry_metadata(header),
+                if_absent=(self.conditional or UNKNOWN).put,
             )
         )
 
@@ -264,6 +283,7 @@ class S3Backend:
         self.readiness_state = state
         if state.ok:
             log.info("S3 tier ready: %s", where)
+            await self._probe_conditional()
         else:
             # What other reads answer meanwhile: the mapping of ``to_http_error``.
             answer = "503 unavailable" if state.state == "unreachable" else "502 s3_error"
@@ -281,7 +301,34 @@ class S3Backend:
     async def readiness(self) -> str:
         state = await readiness.check_ready(self.client)
         self.readiness_state = state
+        if state.ok and self.conditional is None:  # S3 was not ready at start-up
+            await self._probe_conditional()
         return "ok" if state.ok else f"{state.state}: {state.reason}"
+
+    async def _probe_conditional(self) -> None:
+        """Learn which writes S3 settles itself (once; a failed probe is retried by the
+        next readiness check, and writes ask first meanwhile)."""
+        try:
+            found = await conditional.probe(self.client)
+        except Exception as exc:
+            log.warning("S3 tier: could not probe conditional writes (retried later): %s", exc)
+            return
+        self.conditional = found
+        if found.put and found.complete_multipart:
+            log.info("S3 tier: conditional writes (If-None-Match: *) honoured")
+        else:
+            log.warning(
+                "S3 tier: the store does not honour If-None-Match: * on %s; writers of one "
+                "key on several replicas may each store a body (see docs/s3.md)",
+                " and ".join(
+                    name
+                    for name, honoured in (
+                        ("PutObject", found.put),
+                        ("CompleteMultipartUpload", found.complete_multipart),
+                    )
+                    if not honoured
+                ),
+            )
 
     def describe(self) -> Mapping[str, object]:
         settings = self.client.settings
@@ -292,5 +339,6 @@ class S3Backend:
             "prefix": settings.s3_prefix,
             "available": self.client.breaker.available,
             "ready": None if state is None else state.ok,
+            "conditional_writes": None if self.conditional is None else asdict(self.conditional),
             "reason": None if state is None else state.reason,
         }

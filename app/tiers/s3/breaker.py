@@ -34,7 +34,8 @@ class CircuitBreaker:
         return max(1.0, self._unavailable_until - time.monotonic(), self.cooldown)
 
     def mark_unavailable(self, reason: str | None = None) -> None:
-        """Open the breaker for one cooldown period."""
+        """Open the breaker for one cooldown period. ``reason`` is shown to every call
+        refused meanwhile: nothing of the call that failed (``errors.outage_reason``)."""
         with self._lock:
             self._unavailable_until = time.monotonic() + self.cooldown
             if reason:
@@ -51,7 +52,7 @@ class CircuitBreaker:
         if time.monotonic() < self._unavailable_until:
             return S3Unavailable(
                 f"S3 {operation} skipped: endpoint marked unavailable "
-                f"({self._last_unavailable or 'recent failure'})",
+                f"(last failure: {self._last_unavailable or 'unreachable'})",
                 retry_after=self.retry_after(),
             )
         return None

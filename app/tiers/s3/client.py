@@ -30,15 +30,18 @@ from prometheus_client import CollectorRegistry
 
 from app.metrics import S3Metrics
 from app.settings import Settings
+from app.tiers.s3.botocore_adapter import data_plane
 from app.tiers.s3.breaker import CircuitBreaker
 from app.tiers.s3.download import ObjectBody, S3Download
-from app.tiers.s3.errors import S3Error, S3Unavailable, is_not_found, map_error
-from app.tiers.s3.get_transport import object_get
-from app.tiers.s3.http_session import s3_transport
-from app.tiers.s3.loop_get import LoopGet
+from app.tiers.s3.errors import (
+    S3Error,
+    S3Unavailable,
+    is_not_found,
+    is_precondition_failed,
+    map_error,
+    outage_reason,
+)
 from app.tiers.s3.objects import ObjectInfo, info_from_headers, info_from_response
-from app.tiers.s3.signed_put import SignedPut
-from app.tiers.s3.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +129,21 @@ class S3Client:
                 **common,
             ),
         )
-        transport = s3_transport(self.client.meta.endpoint_url, settings.s3_verify_tls, config)
-        signer = Signer(
-            transport, self.bucket, settings.s3_region, config, session.get_credentials()
+        plane = data_plane(
+            self.client,
+            self.client.meta.endpoint_url,
+            self.bucket,
+            settings,
+            config,
+            session.get_credentials(),
+            self.executor,
         )
         #: The read path's GET (``open``).
-        self._get = object_get(transport, config, signer, settings, self.executor)
+        self._get = plane.get
         #: Every single-part upload (``transfers``): boto3's request, without its per-call
-        #: pipeline. A streaming upload's body gets one attempt.
-        self.signed_put = SignedPut(transport.session, signer, settings.s3_max_attempts)
-        self._transport = transport
+        #: pipeline on the locked botocore. A streaming upload's body gets one attempt.
+        self.signed_put = plane.put
+        self._plane = plane
 
     def _check_breaker(self, operation: str) -> None:
         refused = self.breaker.refusal(operation)
@@ -198,9 +206,13 @@ class S3Client:
             self.breaker.mark_available()
             return
         mapped = map_error(exc, operation, self.breaker.cooldown)
+        if is_precondition_failed(exc):  # a conditional write found the key taken
+            self.metrics.requests.labels(operation, "exists").inc()
+            self.breaker.mark_available()
+            raise mapped from exc
         if isinstance(mapped, S3Unavailable):
             self.metrics.requests.labels(operation, "unavailable").inc()
-            self.breaker.mark_unavailable(str(mapped))
+            self.breaker.mark_unavailable(outage_reason(exc))
         else:
             self.metrics.requests.labels(operation, "error").inc()
             self.breaker.mark_available()  # it answered, so it is reachable
@@ -326,9 +338,7 @@ class S3Client:
     def shutdown(self) -> None:
         """Synchronous :meth:`close` (for code outside an event loop)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
-        if isinstance(self._get, LoopGet):
-            self._get.close()
-        self._transport.session.close()
+        self._plane.close()
         for client in (self.client, self.probe_client):
             try:
                 client.close()

@@ -61,6 +61,7 @@ _UNAVAILABLE_CODES = _THROTTLING_CODES | {
     "InternalError",
     "RequestTimeout",
     "RequestTimeTooSkewed",  # clock skew is not ours to fix, but it is transient-ish
+    "ConditionalRequestConflict",  # AWS: a conditional write raced another; retry it
 }
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
@@ -81,6 +82,16 @@ def is_not_found(exc: BaseException) -> bool:
         return False
     code, status, _ = client_error_info(exc)
     return code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchBucket")
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    """A conditional write (``If-None-Match: *``) refused: the key has an object."""
+    if isinstance(exc, S3Error):
+        return exc.status == 412
+    if isinstance(exc, bce.ClientError):
+        code, status, _ = client_error_info(exc)
+        return status == 412 or code == "PreconditionFailed"
+    return False
 
 
 def is_throttling(exc: BaseException) -> bool:
@@ -123,6 +134,17 @@ def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S
     if isinstance(exc, bce.BotoCoreError):
         return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")
     return S3Error(f"S3 {operation} failed: {type(exc).__name__}: {exc}")
+
+
+def outage_reason(exc: BaseException) -> str:
+    """Why S3 is unavailable, in words true of every call the circuit breaker refuses
+    while open: the kind of failure, never the URL or key of the call that met it."""
+    if isinstance(exc, bce.ClientError):
+        code, status, _ = client_error_info(exc)
+        return f"it answered {code or status}"
+    if isinstance(exc, S3Error):  # mapped already: its code, if it answered
+        return f"it answered {exc.code or exc.status}" if exc.code or exc.status else "unreachable"
+    return f"unreachable ({type(exc).__name__})"
 
 
 #: botocore's "standard" retry mode: full jitter over the backoff from these bases.

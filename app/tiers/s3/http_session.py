@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from botocore.config import Config
-from botocore.httpsession import ProxyConfiguration, URLLib3Session
-from botocore.utils import get_environ_proxies
+
+from app.tiers.s3.botocore_adapter import (
+    ProxyConfiguration,
+    URLLib3Session,
+    get_environ_proxies,
+)
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,14 @@ from urllib.parse import urlsplit
 
 import httptools
 from botocore.config import Config
-from botocore.httpsession import get_cert_path
 
 from app.retries import retried_async
 from app.tiers.base import Chunk
+from app.tiers.s3.botocore_adapter import get_cert_path
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.http_session import S3Transport
-from app.tiers.s3.signed_get import FIRST_READ_BYTES, READ_AHEAD
+from app.tiers.s3.objects import ByteSpan
+from app.tiers.s3.signed_get import FIRST_READ_BYTES, OK, READ_AHEAD
 from app.tiers.s3.signing import Signer
 
 #: The buffer an answer's head is received into (and parsed from).
@@ -165,7 +166,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._keep_alive = self._parser.should_keep_alive()
         self.headers_done = True
         length = self.headers.get("content-length")
-        if self.status == 200 and length is not None and "transfer-encoding" not in self.headers:
+        if self.status in OK and length is not None and "transfer-encoding" not in self.headers:
             self._body_left = int(length)  # ValueError: malformed (buffer_updated)
             if self._body_left == 0:
                 self.complete = True
@@ -338,14 +339,19 @@ class LoopGet:
         self._ssl = _tls_context(transport.verify) if https else None
         self._idle: list[_Connection] = []
 
-    async def open(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
-        """The response headers and the unread body of ``key``. Raises ``ClientError``
+    async def open(
+        self, key: str, span: ByteSpan | None = None, if_match: str | None = None
+    ) -> tuple[Mapping[str, str], LoopBody]:
+        """The response headers and the unread body of ``key`` (of its bytes ``span``
+        when given, while its ETag is ``if_match`` when given). Raises ``ClientError``
         for an error answer (a missing object included), ``ConnectionError`` or
         ``TimeoutError`` after the last attempt."""
-        return await retried_async(lambda: self._open_once(key), self._retries)
+        return await retried_async(lambda: self._open_once(key, span, if_match), self._retries)
 
-    async def _open_once(self, key: str) -> tuple[Mapping[str, str], LoopBody]:
-        signed = self._signer.get(key)
+    async def _open_once(
+        self, key: str, span: ByteSpan | None, if_match: str | None
+    ) -> tuple[Mapping[str, str], LoopBody]:
+        signed = self._signer.get(key, span, if_match)
         lines = [f"GET {signed.path} HTTP/1.1"]
         lines += [f"{name}: {value}" for name, value in signed.headers.items()]
         request = ("\r\n".join(lines) + "\r\nUser-Agent: ec-cache\r\n\r\n").encode("latin-1")
@@ -367,7 +373,7 @@ class LoopGet:
                 connection = await self._connect()
                 connection.send(request, want, self._chunk_size)
                 await connection.wait_headers(self.read_timeout)
-            if connection.status == 200:
+            if connection.status in OK:
                 return connection.headers, LoopBody(self, connection)
             document = bytearray()
             while len(document) < ERROR_BODY_BYTES:

@@ -44,6 +44,21 @@ class ObjectInfo:
     metadata: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ByteSpan:
+    """Bytes ``start`` to ``end`` (exclusive) of an object: a ranged GET's ``Range``."""
+
+    start: int
+    end: int
+
+    @property
+    def header(self) -> str:
+        return f"bytes={self.start}-{self.end - 1}"
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
 def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
     text = metadata.get(METADATA_CRC_KEY)
     if text:

@@ -15,7 +15,7 @@ from typing import Any
 import botocore.exceptions as bce
 
 from app.tiers.s3.client import S3Client
-from app.tiers.s3.errors import S3Unavailable, client_error_info, map_error
+from app.tiers.s3.errors import S3Unavailable, client_error_info, map_error, outage_reason
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _check_ready_sync(s3: S3Client) -> Readiness:
         )
     mapped = map_error(first, "head_bucket")
     if isinstance(mapped, S3Unavailable):
-        s3.breaker.mark_unavailable(str(mapped))
+        s3.breaker.mark_unavailable(outage_reason(first))
         return Readiness(False, f"{where} unreachable: {mapped}", "unreachable")
     s3.breaker.mark_available()
     code, status, _ = (

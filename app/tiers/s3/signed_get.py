@@ -32,11 +32,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
-from botocore.awsrequest import AWSRequest
-from botocore.httpsession import URLLib3Session
-
 from app.retries import retried
+from app.tiers.s3.botocore_adapter import AWSRequest, URLLib3Session
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
+from app.tiers.s3.objects import ByteSpan
 from app.tiers.s3.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -47,6 +46,8 @@ log = logging.getLogger(__name__)
 FIRST_READ_BYTES = 64 * 1024
 #: Chunks a download reads ahead of its consumer at most.
 READ_AHEAD = 2
+#: The answers whose body is the object's: whole (200) or the span asked for (206).
+OK = (200, 206)
 
 
 class SignedGet:
@@ -67,17 +68,24 @@ class SignedGet:
         self._executor = executor
         self._chunk_size = chunk_size
 
-    async def open(self, key: str) -> tuple[Mapping[str, str], ThreadedBody]:
-        """The response headers and the body of ``key``, its first chunk read. Raises
+    async def open(
+        self, key: str, span: ByteSpan | None = None, if_match: str | None = None
+    ) -> tuple[Mapping[str, str], ThreadedBody]:
+        """The response headers and the body of ``key`` (of its bytes ``span`` when
+        given, while its ETag is ``if_match`` when given), its first chunk read. Raises
         botocore's exceptions: ``ClientError`` for an error answer (a missing object
         included), connection errors after the last attempt."""
         loop = asyncio.get_running_loop()
-        headers, raw, first = await loop.run_in_executor(self._executor, self._open, key)
+        headers, raw, first = await loop.run_in_executor(
+            self._executor, self._open, key, span, if_match
+        )
         size = int(headers.get("content-length", len(first)))
         return headers, ThreadedBody(self._executor, raw, first, size, self._chunk_size)
 
-    def _open(self, key: str) -> tuple[Mapping[str, str], Any, bytes]:
-        headers, raw = retried(lambda: self._get_once(key), self._retries)
+    def _open(
+        self, key: str, span: ByteSpan | None, if_match: str | None
+    ) -> tuple[Mapping[str, str], Any, bytes]:
+        headers, raw = retried(lambda: self._get_once(key, span, if_match), self._retries)
         # The first chunk is read by this same job, so it reaches the loop without
         # another hand-over to the pool and back.
         try:
@@ -86,13 +94,15 @@ class SignedGet:
             raw.close()
             raise
 
-    def _get_once(self, key: str) -> tuple[Mapping[str, str], Any]:
-        signed = self._signer.get(key)
+    def _get_once(
+        self, key: str, span: ByteSpan | None, if_match: str | None
+    ) -> tuple[Mapping[str, str], Any]:
+        signed = self._signer.get(key, span, if_match)
         prepared = AWSRequest(method="GET", url=signed.url, headers=signed.headers).prepare()
         prepared.stream_output = True
         response = self._http.send(prepared)
         raw = response.raw
-        if response.status_code == 200:
+        if response.status_code in OK:
             return response.headers, raw
         try:
             document = raw.read(ERROR_BODY_BYTES)

@@ -32,10 +32,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from botocore.awsrequest import AWSRequest
-from botocore.httpsession import URLLib3Session
-
 from app.retries import retried
+from app.tiers.s3.botocore_adapter import AWSRequest, URLLib3Session
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.signing import Signer
 
@@ -62,11 +60,13 @@ class SignedPut:
         content_type: str,
         checksum_crc32c: str,
         metadata: Mapping[str, str],
+        if_absent: bool = False,
     ) -> None:
         """PUT ``size`` bytes of ``body`` as ``key``: a file-like object (``read``,
         ``seekable``; when seekable, ``tell`` and ``seek`` rewind it for a retry).
-        Raises botocore's exceptions, as ``put_object`` would. Blocking: call it on the
-        S3 thread pool."""
+        ``if_absent``: only if the key has no object (``If-None-Match: *``; S3 answers
+        412 otherwise). Raises botocore's exceptions, as ``put_object`` would.
+        Blocking: call it on the S3 thread pool."""
         headers = {
             "Content-Length": str(size),
             "Content-Type": content_type,
@@ -74,6 +74,8 @@ class SignedPut:
             "x-amz-checksum-crc32c": checksum_crc32c,
             **{f"x-amz-meta-{name}": value for name, value in metadata.items()},
         }
+        if if_absent:
+            headers["If-None-Match"] = "*"
         if size > EXPECT_CONTINUE_ABOVE:
             headers["Expect"] = "100-continue"
         rewindable = body.seekable()

@@ -11,12 +11,12 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import botocore.exceptions as bce
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 from botocore.credentials import Credentials
 
+from app.tiers.s3.botocore_adapter import AWSRequest, S3SigV4Auth
 from app.tiers.s3.http_session import S3Transport
+from app.tiers.s3.objects import ByteSpan
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,18 @@ class Signer:
         self._config = config
         self._credentials = credentials
 
-    def get(self, key: str) -> SignedRequest:
-        """The signed GET of ``key``, its CRC32C asked for (``x-amz-checksum-mode``)."""
-        return self._sign("GET", key, {"x-amz-checksum-mode": "ENABLED"}, None, upload=False)
+    def get(
+        self, key: str, span: ByteSpan | None = None, if_match: str | None = None
+    ) -> SignedRequest:
+        """The signed GET of ``key``, its CRC32C asked for (``x-amz-checksum-mode``); of
+        the bytes ``span`` only when given, and only while the object's ETag is
+        ``if_match`` when given."""
+        headers = {"x-amz-checksum-mode": "ENABLED"}
+        if span is not None:
+            headers["Range"] = span.header
+        if if_match is not None:
+            headers["If-Match"] = if_match
+        return self._sign("GET", key, headers, None, upload=False)
 
     def put(self, key: str, headers: Mapping[str, str], body: Any) -> SignedRequest:
         """The signed PUT of ``body`` as ``key`` with ``headers``."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from app.checksum import crc32c as crc32c_of
 from app.tiers.s3.client import S3Client
-from app.tiers.s3.errors import S3Error
+from app.tiers.s3.errors import S3Error, is_precondition_failed
 from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_to_b64
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,13 @@ def object_metadata(crc32c: int, metadata: Mapping[str, str] | None) -> dict[str
 
 
 def _put_object(
-    s3: S3Client, key: str, body: Any, size: int, crc32c: int, metadata: Mapping[str, str] | None
+    s3: S3Client,
+    key: str,
+    body: Any,
+    size: int,
+    crc32c: int,
+    metadata: Mapping[str, str] | None,
+    if_absent: bool,
 ) -> None:
     s3.signed_put.put(
         key,
@@ -100,6 +106,7 @@ def _put_object(
         content_type="application/octet-stream",
         checksum_crc32c=crc32c_to_b64(crc32c),
         metadata=object_metadata(crc32c, metadata),
+        if_absent=if_absent,
     )
     s3.metrics.bytes_up.inc(size)
 
@@ -150,20 +157,29 @@ async def put_file(
     *,
     crc32c: int,
     metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Upload a local file as ``key``. ``crc32c`` is the CRC32C of the whole file; S3
+    if_absent: bool = False,
+) -> bool:
+    """Upload a local file as ``key``; False when ``if_absent`` and S3 refused it
+    because the key has an object (``If-None-Match: *`` on the ``PutObject`` or the
+    ``CompleteMultipartUpload``). ``crc32c`` is the CRC32C of the whole file; S3
     verifies it (single PUT) or each part's CRC (multipart, where the combined CRC is
     also checked locally before the upload is completed). On any failure nothing is
     left visible under ``key`` (a failed multipart upload is aborted, best effort)."""
     size = os.stat(path).st_size
-    if size < s3.settings.s3_multipart_threshold:
+    try:
+        if size < s3.settings.s3_multipart_threshold:
 
-        def _single() -> None:
-            _put_object(s3, key, MappedFileBody(path), size, crc32c, metadata)
+            def _single() -> None:
+                _put_object(s3, key, MappedFileBody(path), size, crc32c, metadata, if_absent)
 
-        await s3.call("put", _single)
-    else:
-        await _put_multipart(s3, key, os.fspath(path), size, crc32c, metadata)
+            await s3.call("put", _single)
+        else:
+            await _put_multipart(s3, key, os.fspath(path), size, crc32c, metadata, if_absent)
+    except S3Error as exc:
+        if if_absent and is_precondition_failed(exc):
+            return False
+        raise
+    return True
 
 
 #: Bytes a streaming upload lets the receive run ahead of what S3 has taken.
@@ -272,15 +288,18 @@ class StreamingPut:
         size: int,
         crc32c: int,
         metadata: Mapping[str, str] | None,
+        *,
+        if_absent: bool = False,
     ) -> None:
         self.key = key
+        self._if_absent = if_absent
         self._pipe = BodyPipe(asyncio.get_running_loop())
         self._held: bytes | memoryview | None = None
         pipe = self._pipe
 
         def _send() -> bool:
             try:
-                _put_object(s3, key, pipe, size, crc32c, metadata)
+                _put_object(s3, key, pipe, size, crc32c, metadata, if_absent)
             except Exception:
                 if pipe.aborted:  # our own withdrawal, not an S3 failure
                     return False
@@ -310,14 +329,22 @@ class StreamingPut:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
 
-    async def finish(self) -> None:
-        """Release the held-back last bytes and wait until S3 stored the object."""
+    async def finish(self) -> bool:
+        """Release the held-back last bytes and wait until S3 stored the object; False
+        when it was conditional and S3 refused it (the key has an object)."""
         if self._held is not None and not self._task.done():
             self._pipe.push(self._held)
         self._held = None
         self._pipe.close()
-        if not await self._task:
+        try:
+            sent = await self._task
+        except S3Error as exc:
+            if self._if_absent and is_precondition_failed(exc):
+                return False
+            raise
+        if not sent:
             raise S3Error(f"upload of {self.key} was withdrawn")
+        return True
 
     async def abort(self) -> None:
         """Withdraw the body: S3 stores nothing. Waits for the sender to stop."""
@@ -346,6 +373,7 @@ async def _put_multipart(
     size: int,
     crc32c: int,
     metadata: Mapping[str, str] | None,
+    if_absent: bool,
 ) -> None:
     part_size = part_size_for(size, s3.settings.s3_multipart_part_size)
     resp = await s3.call(
@@ -427,6 +455,7 @@ async def _put_multipart(
                 Key=key,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
+                **({"IfNoneMatch": "*"} if if_absent else {}),
             ),
         )
         completed = True

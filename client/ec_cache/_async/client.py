@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import torch
 
 from .._answers import entry_info, json_body
 from .._backends import AsyncMapper
@@ -26,6 +25,9 @@ from .._routes import direct_routes, log_response
 from .._tensors import EntryInfo, check_hashes
 from .retries import retried
 from .transport import AsyncResponseBody, AsyncTransport, Outgoing
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AsyncClient"]
 
@@ -49,7 +51,9 @@ class AsyncClient(ClientBase):
     loop). A blocking client can be shared by threads.
 
     Arguments:
-        url: one base URL or several (replicas). Each key goes to the replica chosen by
+        url: one base URL or several (replicas): ``http://host:8080``, or a proxy's
+            prefix, never ending in ``/ec`` (the API's path, which the client adds;
+            refused with ``ValueError``). Each key goes to the replica chosen by
             rendezvous hashing of ``(model, dtype, hash)``; when it refuses connections
             the next one in the key's order is used.
         model: the namespace, e.g. ``"Qwen/Qwen2.5-VL-7B-Instruct@a1b2c3"`` (slashes are
@@ -380,9 +384,9 @@ class AsyncClient(ClientBase):
         path: str,
         body: httpx.AsyncByteStream | None = None,
         headers: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
         *,
         limit: CallLimit | None = None,
-        timeout: httpx.Timeout | None = None,
     ) -> httpx.Response:
         """``method url+path`` with the client's headers and timeouts, streamed;
         ``body`` and its ``headers`` (its Content-Length among them), if given, are

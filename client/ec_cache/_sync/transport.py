@@ -470,12 +470,12 @@ class Transport(httpx.BaseTransport):
         is in; its body is ``response.extensions["ec_body"]``. ``timeouts`` has httpx's
         keys (``connect``, ``read``, ``write``, ``pool``). Raises httpx's exceptions."""
         request = out.request
-        bound = out.limit
+        limit = out.limit
         slot = self._slot(key)
         pool_wait = timeouts.get("pool")
         try:
-            if bound is not None:
-                pool_wait = bound.wait(pool_wait, poll=False)
+            if limit is not None:
+                pool_wait = limit.wait(pool_wait, poll=False)
         except TimeoutError:
             raise httpx.PoolTimeout("the call's timeout expired", request=request) from None
         if not slot.acquire(pool_wait):
@@ -487,8 +487,8 @@ class Transport(httpx.BaseTransport):
             for attempt in (0, 1):
                 try:
                     connect = timeouts.get("connect")
-                    if bound is not None:
-                        connect = bound.wait(connect, poll=False)
+                    if limit is not None:
+                        connect = limit.wait(connect, poll=False)
                     conn, reused = self._acquire(key, connect)
                 except TimeoutError:
                     raise httpx.ConnectTimeout(f"connecting to {key}", request=request) from None

@@ -162,6 +162,10 @@ class _Job:
         return self.abandoned
 
 
+# A staging buffer up to this many times an entry's size is reused for it (the
+# budget counts the whole buffer): a new pinned buffer costs far more than a copy.
+REUSE_UP_TO = 4.0
+
 # A held entry neither taken nor released this many ``timeout_s`` after it arrived is
 # dropped: a guard against a release that never came, not a part of the protocol
 # (the scheduler releases what nobody waits for).
@@ -208,8 +212,7 @@ class Prefetcher:
         self._queue: collections.deque[_Job] = collections.deque()
         self._failed: set[int] = set()  # order ids, since the previous report
         self._used = 0  # bytes reserved by fetching and held jobs
-        self._threads = 0  # started and not retired
-        self._retiring = 0  # threads to end once their fetch is over
+        self._threads: list[threading.Thread] = []
         self._closed = False
         self._failures_logged = 0
 
@@ -234,13 +237,14 @@ class Prefetcher:
                 self._queue.append(job)
                 self._cond.notify()
             self._by_order[order.order_id] = job
-            while self._threads - self._retiring < self._threads_wanted:
-                self._start_thread()
+            if len(self._threads) < self._threads_wanted:
+                self._start_threads()
 
     def release(self, order_id: int) -> None:
         """Drop the entry of ``order_id`` now: held memory is freed, a queued order
-        never starts, a fetch in flight is abandoned (its thread slot and its bytes
-        are free at once; its transfer stops within the SDK's stop poll, 50 ms)."""
+        never starts, a fetch in flight is abandoned: its bytes leave the budget at
+        once, and its transfer stops (its thread takes the next order) within the
+        SDK's stop poll, 50 ms."""
         with self._cond:
             job = self._by_order.get(order_id)
             if job is not None:
@@ -299,24 +303,20 @@ class Prefetcher:
 
     # ---------------------------------------------------------------- threads
 
-    def _start_thread(self) -> None:
-        thread = threading.Thread(
-            target=self._run, name=f"ec-cache-prefetch-{self._threads}", daemon=True
-        )
-        self._threads += 1
-        thread.start()
+    def _start_threads(self) -> None:
+        while len(self._threads) < self._threads_wanted:
+            thread = threading.Thread(
+                target=self._run, name=f"ec-cache-prefetch-{len(self._threads)}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._retiring:  # a fetch of this thread was abandoned: replaced
-                    self._retiring -= 1
-                    self._threads -= 1
-                    return
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if self._closed:
-                    self._threads -= 1
                     return
                 job = self._queue.popleft()
                 job.state = _State.FETCHING
@@ -387,7 +387,8 @@ class Prefetcher:
 
     def _reserve(self, job: _Job, nbytes: int) -> bool:
         """Wait for room for ``nbytes`` (a new pooled buffer's capacity) in the budget
-        until the job's deadline; make it by dropping idle pooled buffers."""
+        until the job's deadline (idle pooled buffers are dropped for it, if need be,
+        when no idle one is reused)."""
         need = self._staging.capacity_for(nbytes) if self._staging is not None else nbytes
         with self._cond:
             if need > self._budget:
@@ -407,14 +408,17 @@ class Prefetcher:
                 return False
             self._used += need
             job.reserved = need
-            if self._staging is not None:
-                self._staging.trim(self._budget - self._used)
             return True
 
     def _allocate(self, job: _Job, shape: tuple[int, ...], nbytes: int) -> HostEntry:
-        if self._staging is None:
+        staging = self._staging
+        if staging is None:
             return HostEntry(torch.empty(shape, dtype=self._dtype), nbytes)
-        lease = self._staging.acquire(nbytes)
+        lease = staging.reuse(nbytes, up_to=REUSE_UP_TO)
+        if lease is None:  # a new buffer: idle ones go first, so that the budget holds
+            with self._cond:
+                staging.trim(self._budget - self._used)
+            lease = staging.acquire(nbytes)
         with self._cond:  # a reused idle buffer may be larger: it moved out of idle
             if job.reserved:
                 self._used += lease.capacity - job.reserved
@@ -424,11 +428,8 @@ class Prefetcher:
     # ------------------------------------------------------- under self._cond
 
     def _abandon(self, job: _Job) -> None:
-        """Forget ``job`` now; a fetch in flight is told to stop and its thread is
-        replaced, so that the next order does not wait for it."""
-        if job.state is _State.FETCHING and not job.abandoned and not self._closed:
-            self._retiring += 1
-            self._start_thread()
+        """Forget ``job`` now (its bytes leave the budget); a fetch in flight sees
+        ``job.stop()`` and ends."""
         job.abandoned = True
         self._remove(job)
 

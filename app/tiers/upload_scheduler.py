@@ -1,31 +1,23 @@
-"""The write-back queue: durable uploads and deletes of S3 objects, bounded, retried
-with exponential backoff.
+"""The write-back scheduler: the uploads and deletes of S3 objects that the write-back
+journal (``app.tiers.upload_journal``) records, bounded, retried with exponential
+backoff, and the hiding of deleted keys.
 
 In ``write-back`` mode a PUT answers 201 once the entry is committed to the disk tier; its
-upload to S3 happens later, from this queue. A DELETE answers once the S3 delete it owes
-is journaled here (:meth:`UploadQueue.mark_deleted`); the delete is made at once, or
-right after an upload of the key in flight, and retried until S3 confirms it. A purge
-does the same for the uploads of its namespace in flight, and waits for them
-(:meth:`UploadQueue.delete_namespace`). Durability comes from a journal directory::
+upload to S3 happens later, from here. A DELETE answers once the S3 delete it owes is
+journaled (:meth:`UploadScheduler.mark_deleted`); the delete is made at once, or right
+after an upload of the key in flight, and retried until S3 confirms it. A purge does
+the same for the uploads of its namespace in flight, and waits for them
+(:meth:`UploadScheduler.delete_namespace`). While a delete is owed, the key's S3 object
+is never read (:meth:`UploadScheduler.hides`): nothing deleted comes back through a
+read-through. The upload and the delete of one key never run at the same time. Every
+pending key is pinned in the disk tier, so an entry is never evicted before it is
+uploaded.
 
-    {data_dir}/upload-queue/{key digest}.json     one small record per pending key
-
-A record says what its key owes S3: the upload of its disk entry, a delete of its
-object (``"deleted": true``), or both (a delete, then the upload of an entry PUT after
-it). It is written atomically (temp file, ``fdatasync``, ``rename``, ``fsync`` of the
-directory): a PUT's before its entry is published on disk — in the disk tier's group
-commit of that entry, see :meth:`UploadQueue.stage_record` — a DELETE's before the disk
-entry is removed; it is removed once S3 has done what it owes, so neither a restart nor
-``kill -9`` loses an upload or a delete: the directory is rescanned at start-up. There,
-an upload whose entry is not on disk (the PUT never completed, or the entry was deleted)
-is dropped, and an entry whose record owes only a delete (its DELETE did not finish) is
-removed from disk. While a delete is owed, the key's S3 object is never read
-(:meth:`UploadQueue.hides`): nothing deleted comes back through a read-through. The
-upload and the delete of one key never run at the same time. Every pending key is
-pinned in the disk tier, so an entry is never evicted before it is uploaded.
-
-The queue is bounded by entries and bytes. When it is full the store does not drop
-anything: it falls back to write-through for that PUT (which answers 503 if S3 is down).
+What an upload and a delete are is the write-back policy's
+(``app.write_policy.WriteBackPolicy``), which hands them in as functions: the scheduler
+knows keys, records and timing only.
+It is bounded by entries and bytes; when it is full the policy does not drop anything:
+it falls back to write-through for that PUT (which answers 503 if S3 is down).
 Failures are retried with exponential backoff and jitter; one success resets the
 backoff of all waiting keys, so the queue drains quickly once S3 is back.
 """
@@ -34,30 +26,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-import os
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
-from app.errors import InvalidKey
 from app.keys import EntryKey
 from app.metrics import UploadQueueMetrics
 from app.retries import backoff
 from app.tiers.disk import DiskTier, StagedFile
-from app.tiers.disk.file_sync import fsync_dir
+from app.tiers.upload_journal import PendingUpload, UploadJournal
 
 log = logging.getLogger(__name__)
 
-JOURNAL_DIR = "upload-queue"
 #: Seconds between upload-failure log lines while uploads keep failing.
 LOG_INTERVAL = 30.0
 
@@ -66,57 +51,18 @@ class EntryGone(Exception):
     """The local entry to upload no longer exists (deleted, or corrupt and dropped)."""
 
 
-@dataclass
-class PendingUpload:
-    """What one key owes S3 (its journal record, and the state of its work)."""
-
-    key: EntryKey
-    size: int
-    crc32c: int
-    queued_at: float  # wall clock, for operators
-    attempts: int = 0
-    next_attempt: float = 0.0  # monotonic
-    last_error: str | None = None
-    #: The entry committed on disk owes its upload.
-    upload: bool = True
-    #: A delete of the S3 object is owed (journaled), before any upload.
-    deleted: bool = False
-    #: The work in flight: "upload", "delete" or None.
-    running: str | None = None
-    #: DELETEs and purges that marked it: a delete sent before the last one does not
-    #: settle it (the object may have been written again since).
-    marks: int = 0
-    #: DELETEs or purges journaling its record right now.
-    journaling: int = 0
-    #: PUTs between reserve and release (concurrent PUTs of one key share the record).
-    writers: int = 0
-
-    def record(self) -> dict[str, object]:
-        return {
-            "v": 1,
-            "model": self.key.model,
-            "dtype": self.key.dtype,
-            "hash": self.key.hash,
-            "size": self.size,
-            "crc32c": f"{self.crc32c:08x}",
-            "queued_at": self.queued_at,
-            # A PUT's record becomes durable with its entry: it owes the upload.
-            "upload": self.upload or self.writers > 0,
-            "deleted": self.deleted,
-        }
-
-
-UploadFn = Callable[[PendingUpload], Awaitable[None]]
+#: Uploads an item's entry: True, or False when S3 held another body, which won.
+UploadFn = Callable[[PendingUpload], Awaitable[bool]]
 DeleteFn = Callable[[EntryKey], Awaitable[None]]
 
 
-class UploadQueue:
+class UploadScheduler:
     """See the module docstring. ``load`` before the disk index is rebuilt (so pending
     entries are pinned before anything is evicted), ``reconcile`` after it."""
 
     def __init__(
         self,
-        data_dir: Path,
+        journal: UploadJournal,
         disk: DiskTier,
         upload: UploadFn,
         delete: DeleteFn,
@@ -128,7 +74,7 @@ class UploadQueue:
         retry_max: float,
         registry: CollectorRegistry,
     ) -> None:
-        self.directory = data_dir / JOURNAL_DIR
+        self.journal = journal
         self.disk = disk
         self._upload = upload
         self._delete = delete
@@ -167,69 +113,18 @@ class UploadQueue:
 
     def load(self) -> int:
         """Read the journal (blocking; run in a thread) and pin every pending entry."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        loaded = 0
-        for path in sorted(self.directory.iterdir()):
-            if path.name.endswith(".tmp"):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
-            try:
-                item = self._parse(path)
-            except (OSError, ValueError, KeyError, TypeError, InvalidKey) as exc:
-                log.error("upload queue: dropping unreadable record %s: %s", path, exc)
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
-            if path.name != f"{item.key.digest}.json" or item.key.digest in self._items:
-                log.error("upload queue: dropping misnamed record %s", path)
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
+        items = self.journal.load()
+        for item in items:
             self._add(item)
             self._set_deleted(item, item.deleted)
-            loaded += 1
-        return loaded
-
-    @staticmethod
-    def _parse(path: Path) -> PendingUpload:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        key = EntryKey.parse(str(raw["model"]), str(raw["dtype"]), str(raw["hash"]))
-        crc = str(raw["crc32c"])
-        if len(crc) != 8:
-            raise ValueError(f"bad crc32c {crc!r}")
-        upload, deleted = raw.get("upload", True), raw.get("deleted", False)
-        if not isinstance(upload, bool) or not isinstance(deleted, bool):
-            raise ValueError("upload and deleted must be booleans")
-        return PendingUpload(
-            key,
-            int(raw["size"]),
-            int(crc, 16),
-            float(raw["queued_at"]),
-            upload=upload,
-            deleted=deleted,
-        )
+        return len(items)
 
     def reconcile(self) -> int:
-        """Match the journal with the disk (blocking): drop the uploads whose entry is
-        not on disk, finish the DELETEs a crash interrupted. Returns how many remain."""
+        """Match the journal with the disk (blocking; see ``UploadJournal.reconcile``).
+        Returns how many keys remain."""
+        self.journal.reconcile(list(self._items.values()), self.disk)
+        self.pending_bytes = sum(item.size for item in self._items.values())
         for item in list(self._items.values()):
-            on_disk = self.disk.contains(item.key)
-            if item.deleted and not item.upload and on_disk:
-                log.warning(
-                    "upload queue: %s was being deleted when the server stopped: removing "
-                    "its disk entry; its S3 object is deleted next",
-                    item.key,
-                )
-                self.disk.delete(item.key)
-            elif item.upload and not on_disk:
-                log.warning(
-                    "upload queue: %s is no longer on disk (PUT interrupted or deleted); "
-                    "dropping its upload",
-                    item.key,
-                )
-                item.upload = False
-                self._resize(item, 0)
             self._retire(item)
         if self._items:
             log.info(
@@ -264,7 +159,7 @@ class UploadQueue:
                     "upload queue: %d keys still pending at shutdown; they stay in %s "
                     "and resume at the next start",
                     len(self._items),
-                    self.directory,
+                    self.journal.directory,
                 )
         for task in self._tasks:
             task.cancel()
@@ -293,7 +188,7 @@ class UploadQueue:
         whatever happened."""
         item = self._items.get(key.digest)
         if item is None:
-            # Not due until released with the entry on disk.
+            # Not due until released by a PUT that created the entry.
             item = PendingUpload(key, size, crc32c, time.time(), next_attempt=math.inf)
             item.upload = False
             self._add(item)
@@ -301,39 +196,13 @@ class UploadQueue:
             self._resize(item, size)
             item.crc32c = crc32c
         item.writers += 1
+        item.reservations += 1
         return item
 
     def stage_record(self, item: PendingUpload) -> StagedFile:
-        """Write the record under a temp name (a few hundred bytes, page cache only);
-        the disk tier's group commit syncs and renames it, in the batch of the entry
-        and before the entry is published."""
-        fd, tmp, final = self._record_file(item)
-        return StagedFile(fd, tmp, final)
-
-    def write_record(self, item: PendingUpload) -> None:
-        """Journal the record durably (blocking)."""
-        fd, tmp, final = self._record_file(item)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-        fsync_dir(self.directory)
-
-    def _record_file(self, item: PendingUpload) -> tuple[int, Path, Path]:
-        """The record written to a new temp file: (its open fd, its path, the record's)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / f"{item.key.digest}.json"
-        tmp = self.directory / f".{item.key.digest}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, json.dumps(item.record()).encode("utf-8"))
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
-        return fd, tmp, final
+        """The record of a PUT about to commit, staged for the disk tier's group commit
+        (``UploadJournal.stage``; blocking)."""
+        return self.journal.stage(item)
 
     def activate(self, item: PendingUpload | None = None) -> None:
         """Make ``item`` due now and wake a worker."""
@@ -342,15 +211,15 @@ class UploadQueue:
         if self._wake is not None:
             self._wake.set()
 
-    def release(self, item: PendingUpload, *, on_disk: bool) -> None:
-        """A PUT that reserved ``item`` is done. With the entry on disk (committed by this
-        PUT or by anyone else) the upload becomes due — if S3 already has the object the
-        worker finds out with one HEAD. Without it, the record goes once no other PUT
-        holds it and it owes nothing else."""
+    def release(self, item: PendingUpload, *, created: bool) -> None:
+        """A PUT that reserved ``item`` is done. ``created``: its body became the entry
+        (committed to disk), whose upload becomes due. Otherwise (it failed, or the key's
+        entry was another's) the record goes once no other PUT holds it and it owes
+        nothing else."""
         item.writers -= 1
         if self._items.get(item.key.digest) is not item:
             return
-        if on_disk:
+        if created:
             item.upload = True
             self.activate(item)
         self._pulse()
@@ -381,7 +250,7 @@ class UploadQueue:
                 await self._wait_change()
             item.upload = False
             self._resize(item, 0)
-            await anyio.to_thread.run_sync(self.write_record, item)
+            await anyio.to_thread.run_sync(self.journal.write, item)
         finally:
             item.journaling -= 1
             self.activate(item)
@@ -452,8 +321,7 @@ class UploadQueue:
         del self._items[item.key.digest]
         self._deleting.discard(item.key.digest)
         self.pending_bytes -= item.size
-        with contextlib.suppress(FileNotFoundError):
-            (self.directory / f"{item.key.digest}.json").unlink()
+        self.journal.remove(item.key)
         self.disk.unpin(item.key)
         self._update_idle()
 
@@ -541,7 +409,7 @@ class UploadQueue:
         """Do what ``item`` owes: its delete, then (with ``upload``) its upload. A
         failure is retried after a back-off; a DELETE that marked it meanwhile makes
         its delete due at once."""
-        marks = item.marks
+        marks, reservations = item.marks, item.reservations
         item.attempts += 1
         action = "delete" if item.deleted else "upload"
         try:
@@ -560,14 +428,16 @@ class UploadQueue:
             if upload and item.upload and not item.deleted:
                 action = "upload"
                 item.running = "upload"
-                await self._upload(item)
-                self.metrics.uploads.labels("ok").inc()
-                if item.marks == marks:  # else a DELETE dropped it (and a later PUT
-                    item.upload = False  # may owe its own upload)
+                stored = await self._upload(item)
+                self.metrics.uploads.labels("ok" if stored else "lost").inc()
+                # Else a DELETE dropped it, or a PUT reserved it since: a later PUT
+                # may owe its own upload.
+                if (item.marks, item.reservations) == (marks, reservations):
+                    item.upload = False
         except EntryGone as exc:
             log.warning("upload queue: dropping the upload of %s: %s", item.key, exc)
             self.metrics.uploads.labels("dropped").inc()
-            if item.marks == marks:
+            if (item.marks, item.reservations) == (marks, reservations):
                 item.upload = False
             self._due_if_owing(item)
         except asyncio.CancelledError:

@@ -1,4 +1,4 @@
-"""The write-back queue on its own: journal, pinning, backoff, drops (no S3 needed)."""
+"""The write-back scheduler on its journal: pinning, backoff, drops (no S3 needed)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from app.checksum import crc32c
 from app.keys import EntryKey
 from app.safetensors_format import validate_body
 from app.tiers.disk import DiskTier
-from app.tiers.upload_queue import EntryGone, PendingUpload, UploadQueue
+from app.tiers.upload_journal import PendingUpload, UploadJournal
+from app.tiers.upload_scheduler import EntryGone, UploadScheduler
 from testkit.entries import body
 
 pytestmark = pytest.mark.anyio
@@ -32,12 +33,13 @@ class FakeS3:
         self.deleted: list[EntryKey] = []
         self.calls = 0
 
-    async def upload(self, item: PendingUpload) -> None:
+    async def upload(self, item: PendingUpload) -> bool:
         self.calls += 1
         if self.failures > 0:
             self.failures -= 1
             raise ConnectionError("S3 down")
         self.uploaded.append(item.key)
+        return True
 
     async def delete(self, key: EntryKey) -> None:
         if self.delete_failures > 0:
@@ -51,10 +53,10 @@ def make_queue(
     disk: DiskTier,
     s3: FakeS3,
     *,
-    upload: Callable[[PendingUpload], Awaitable[None]] | None = None,
+    upload: Callable[[PendingUpload], Awaitable[bool]] | None = None,
     delete: Callable[[EntryKey], Awaitable[None]] | None = None,
     **kw: int | float,
-) -> UploadQueue:
+) -> UploadScheduler:
     """A queue on ``s3``'s upload and delete (or those given), small bounds and retries."""
     options: dict[str, int | float] = {
         "max_entries": 10,
@@ -64,8 +66,8 @@ def make_queue(
         "retry_max": 0.2,
     }
     options.update(kw)
-    return UploadQueue(
-        root,
+    return UploadScheduler(
+        UploadJournal(root),
         disk,
         upload or s3.upload,
         delete or s3.delete,
@@ -80,11 +82,11 @@ def commit(disk: DiskTier, key: EntryKey, data: bytes) -> None:
     assert pending.commit(crc32c(data), validate_body(data, key.dtype))
 
 
-def put_pending(queue: UploadQueue, disk: DiskTier, key: EntryKey, data: bytes) -> None:
+def put_pending(queue: UploadScheduler, disk: DiskTier, key: EntryKey, data: bytes) -> None:
     item = queue.reserve(key, len(data), 0)
-    queue.write_record(item)
+    queue.journal.write(item)
     commit(disk, key, data)
-    queue.release(item, on_disk=True)
+    queue.release(item, created=True)
 
 
 @pytest.fixture
@@ -122,7 +124,7 @@ async def test_journal_survives_restart_and_pins(tmp_path: Path, disk: DiskTier)
 async def test_records_without_disk_entry_are_dropped(tmp_path: Path, disk: DiskTier) -> None:
     queue = make_queue(tmp_path, disk, FakeS3())
     item = queue.reserve(KEY, 10, 0)
-    queue.write_record(item)  # crash before the disk commit
+    queue.journal.write(item)  # crash before the disk commit
     (tmp_path / "upload-queue" / ".stray.tmp").write_text("x")
     (tmp_path / "upload-queue" / "garbage.json").write_text("{not json")
     queue2 = make_queue(tmp_path, DiskTier(tmp_path, 1 << 20), FakeS3())
@@ -148,7 +150,7 @@ async def test_failures_back_off_then_succeed(tmp_path: Path, disk: DiskTier) ->
 async def test_entry_gone_is_dropped_not_retried(tmp_path: Path, disk: DiskTier) -> None:
     calls = 0
 
-    async def upload(item: PendingUpload) -> None:
+    async def upload(item: PendingUpload) -> bool:
         nonlocal calls
         calls += 1
         raise EntryGone("deleted")
@@ -160,7 +162,7 @@ async def test_entry_gone_is_dropped_not_retried(tmp_path: Path, disk: DiskTier)
     try:
         put_pending(queue, disk, KEY, body((4, 4)))
         assert await queue.wait_idle(5)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # twice retry_max: a retry would have come by now
     finally:
         await queue.stop()
     assert calls == 1 and disk.stats().pinned == 0
@@ -172,8 +174,8 @@ async def test_bounds_and_a_delete_with_nothing_pending(tmp_path: Path, disk: Di
     assert queue.has_room(1000) and not queue.has_room(1001)
     item = queue.reserve(KEY, 100, 0)
     assert not queue.has_room(1)  # one entry at most
-    queue.write_record(item)
-    queue.release(item, on_disk=False)  # the PUT failed: nothing owed
+    queue.journal.write(item)
+    queue.release(item, created=False)  # the PUT failed: nothing owed
     assert len(queue) == 0 and queue.pending_bytes == 0 and disk.stats().pinned == 0
     assert list((tmp_path / "upload-queue").iterdir()) == []
 
@@ -190,14 +192,15 @@ async def test_bounds_and_a_delete_with_nothing_pending(tmp_path: Path, disk: Di
 
 def blocking_upload(
     started: asyncio.Event, finish: asyncio.Event, outcome: list[BaseException | None]
-) -> Callable[[PendingUpload], Awaitable[None]]:
+) -> Callable[[PendingUpload], Awaitable[bool]]:
     """An upload that starts, waits for ``finish``, then raises ``outcome[0]`` (if any)."""
 
-    async def upload(item: PendingUpload) -> None:
+    async def upload(item: PendingUpload) -> bool:
         started.set()
         await finish.wait()
         if outcome[0] is not None:
             raise outcome[0]
+        return True
 
     return upload
 
@@ -263,8 +266,9 @@ async def test_a_put_after_a_delete_is_uploaded_after_the_delete(
 
     order: list[str] = []
 
-    async def upload(pending: PendingUpload) -> None:
+    async def upload(pending: PendingUpload) -> bool:
         order.append("upload")
+        return True
 
     async def delete(key: EntryKey) -> None:
         order.append("delete")
@@ -324,17 +328,17 @@ async def test_concurrent_puts_of_one_key_share_the_record(tmp_path: Path, disk:
     # The second PUT commits first; the first then finds the key taken. The record
     # must survive both, because the committed entry still needs its upload.
     commit(disk, KEY, body((4, 4)))
-    queue.release(second, on_disk=True)
-    queue.release(first, on_disk=True)
+    queue.release(second, created=True)
+    queue.release(first, created=True)
     assert len(queue) == 1 and first.next_attempt == 0.0
 
     # Two PUTs that both fail: the record goes with the last of them.
     other = EntryKey("org/model", "float32", "other")
     a = queue.reserve(other, 50, 0)
     b = queue.reserve(other, 50, 0)
-    queue.release(a, on_disk=False)
+    queue.release(a, created=False)
     assert len(queue) == 2
-    queue.release(b, on_disk=False)
+    queue.release(b, created=False)
     assert len(queue) == 1 and disk.stats().pinned == 1
 
 
