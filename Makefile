@@ -21,7 +21,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: help run sdk lock test check system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: help run sdk lock test check system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-claims bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -143,6 +143,12 @@ bench-serve: $(VENV)/.test
 	bash scripts/setup-vllm-engine-venv.sh
 	$(PY) -m bench.serve
 	$(PY) -m bench.break_even
+
+## bench-claims: two engines meet the same new images at once, with and without
+## claims (bench/claims_serve.py); results in bench/results/claims-serve.*
+bench-claims: $(VENV)/.test
+	bash scripts/setup-vllm-engine-venv.sh
+	$(PY) -m bench.claims_serve
 
 ## bench-vllm-stalls: a real engine's stalls under a slow cache, before/after async loads
 bench-vllm-stalls: $(VENV)/.test

@@ -32,7 +32,8 @@ each of which can be changed while it runs:
     * ``corrupt``: forwarded with the body's last byte flipped (its checksum kept);
     * ``slow``: forwarded after ``delay_s`` (held back, or past a timeout).
 ``exists_delay_s``
-    ``POST .../_exists`` is forwarded after that long.
+    a namespace's questions (``POST .../_exists``, ``_claim``, ``_release``,
+    ``_wait``) are forwarded after that long.
 ``span_faults[start] = [fault, ...]``
     the next ranged GETs (S3 parts) whose ``Range`` starts at byte ``start`` meet these
     faults, one each, in order: ``reset`` (half the answer's body, then a TCP reset),
@@ -92,7 +93,10 @@ class Request:
 
     @property
     def is_exists(self) -> bool:
-        return self.target.endswith("/_exists")
+        """A namespace's question: existence, or a claim (its connector form)."""
+        return self.method == "POST" and self.target.endswith(
+            ("/_exists", "/_claim", "/_release", "/_wait")
+        )
 
     @property
     def span_start(self) -> int | None:

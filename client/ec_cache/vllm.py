@@ -115,12 +115,14 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
         _warn_about_request_scoped_names(vllm_config)
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
+        saves = bool(self.is_producer if cfg.save is None else cfg.save)
         if role == ECConnectorRole.SCHEDULER:
             self.scheduler = ConnectorScheduler(
                 cfg,
                 self.model,
                 self.dtype,
                 consumer=self.is_consumer,
+                saves=saves,
                 async_loads=self.async_loads,
                 widths=dict(getattr(ec_config, "mm_encoder_output_widths", {})),
                 counters=self._counters,
@@ -133,7 +135,7 @@ class ECCacheConnector(ECConnectorBase):  # type: ignore[misc,unused-ignore]  # 
                 self.model,
                 self.dtype,
                 consumer=self.is_consumer,
-                save=bool(self.is_producer if cfg.save is None else cfg.save),
+                save=saves,
                 async_loads=self.async_loads,
                 width=config_width(getattr(vllm_config, "model_config", None)),
                 tp_world=int(getattr(parallel, "tensor_parallel_size", 1))

@@ -3,7 +3,9 @@
 SPEC (JSON) names the model, the ``--ec-transfer-config`` (or none) and the prompts;
 OUT receives, per prompt, the generated token ids and their logprobs, plus how often
 the vision encoder ran (counted by wrapping vLLM's own encoder module, so "the encoder
-was skipped" is a measurement) and how long ``generate`` took.
+was skipped" is a measurement), how long ``generate`` took, and the connectors'
+counters. With ``go`` (``host:port``), the engine, once built, waits there for a go
+before it generates.
 
 With ``scenarios`` instead of ``prompts`` (see ``scenarios.py``) the
 engine is stepped by hand: requests arrive while others decode, some are aborted, and
@@ -108,6 +110,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     )
     if "scenarios" in spec:
         return run_scenarios(llm, probe, spec)
+    connectors = Connectors(llm) if spec.get("ec_transfer_config") else None
+    if spec.get("go"):
+        wait_for_go(spec["go"])
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1, seed=0
     )
@@ -121,7 +126,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "encoder_calls": probe.calls,
         "encoder_rows": probe.rows,
         "generate_seconds": seconds,
+        "counters": connectors.counters() if connectors is not None else {},
     }
+
+
+def wait_for_go(address: str) -> None:
+    """Built and ready: say so to ``host:port`` and wait for its go (one byte), so that
+    a test starts several engines' requests when it chooses, not when each is built."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=600) as sock:
+        sock.sendall(b"r")
+        if not sock.recv(1):
+            raise RuntimeError("the test went away before its go")
 
 
 class Connectors:

@@ -80,6 +80,11 @@ class ECCacheConnectorConfig(BaseModel):
     breaker_failures: Count = 3
     breaker_cooldown_s: Seconds = 1.0
     breaker_max_cooldown_s: Seconds = 30.0
+    # scheduler: claims (encode once per cluster; asynchronous loads only)
+    claims: bool = True
+    claim_lease_s: Timeout = 10.0
+    claim_wait_s: Seconds = 10.0
+    claim_timeout_s: Timeout = 1.0
     # worker: load
     load_mode: Literal["async", "sync"] = "async"
     load_timeout_s: Timeout = 10.0

@@ -8,6 +8,12 @@ goes to a background thread: the loop waits for it at most ``exists_wait_s`` and
 otherwise defers the request until the answer is in. That thread asks one question
 at a time, about everything queued meanwhile: a slow server gets one ``_exists`` in
 flight from each scheduler, however many requests arrive.
+
+With claims (encode once per cluster), a question may answer that another engine is
+computing an item (:class:`Computing`). Such an item stays unanswered, so its request
+stays deferred, while a waiting thread holds one ``_wait`` long-poll for it; it becomes
+a hit when the entry lands, and a miss (computed here) when the claim ends without an
+entry or ``claim_wait_s`` passes.
 """
 
 from __future__ import annotations
@@ -15,19 +21,40 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ec_cache._vllm.breaker import CircuitBreaker
 from ec_cache._vllm.counters import Counters
 from ec_cache._vllm.ttl_cache import TTLCache
 
-__all__ = ["Existence"]
+__all__ = ["Computing", "Existence"]
+
+
+@dataclass(frozen=True)
+class Computing:
+    """An answer: another engine claimed the item; wait at most ``for_s`` seconds."""
+
+    for_s: float
+
+
+#: ``True``: in ec-cache; ``False``: compute it; :class:`Computing`: wait for it.
+Answer = bool | Computing
+#: Waits for items: ``True`` landed, ``False`` the claim ended without an entry,
+#: ``None`` still being computed when the wait ended.
+Wait = Callable[[list[str], float], list[bool | None]]
 
 # One round trip's outcome: the answers (None when it failed), its error, its seconds.
-_Outcome = tuple[list[bool] | None, Exception | None, float]
+_Outcome = tuple[list[Answer] | None, Exception | None, float]
+# How many long-polls for claimed items one scheduler holds at once.
+_WAITERS = 4
 
 
 class Existence:
-    """Answers about items, asked with ``ask(identifiers) -> [present, ...]``.
+    """Answers about items, asked with ``ask(identifiers) -> [present, ...]`` where the
+    scheduling loop waits for them, and with ``ask_in_background`` (default: ``ask``;
+    with claims, a claim) where it does not; ``wait`` waits for items another engine
+    computes, at most ``max_wait_s``.
 
     Only the scheduler's thread calls the methods; the background thread runs the
     round trips and hands their outcomes back under ``_cond``.
@@ -35,15 +62,21 @@ class Existence:
 
     def __init__(
         self,
-        ask: Callable[[list[str]], list[bool]],
+        ask: Callable[[list[str]], list[Answer]],
         *,
         breaker: CircuitBreaker,
         counters: Counters,
         hits: TTLCache[str, bool],
         misses: TTLCache[str, bool],
         on_failure: Callable[[Exception], None],
+        ask_in_background: Callable[[list[str]], list[Answer]] | None = None,
+        wait: Wait | None = None,
+        max_wait_s: float = 0.0,
     ) -> None:
         self._ask = ask
+        self._ask_in_background = ask_in_background or ask
+        self._wait = wait
+        self._max_wait_s = max_wait_s
         self._breaker = breaker
         self._counters = counters
         self._hits = hits
@@ -65,6 +98,11 @@ class Existence:
         self._answered: set[str] = set()  # the identifiers of those outcomes
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Items another engine computes: their waits' outcomes, not collected yet.
+        self._waiting: set[str] = set()
+        self._given_up: set[str] = set()  # waiting, but computed here meanwhile
+        self._waited: list[tuple[list[str], list[bool | None] | None, float]] = []
+        self._waiters = ThreadPoolExecutor(_WAITERS, thread_name_prefix="ec-cache-claim-wait")
 
     def known(self, identifier: str) -> bool | None:
         """The answer from local state, without the network (``None``: unknown)."""
@@ -100,11 +138,22 @@ class Existence:
     def is_asking(self, identifier: str) -> bool:
         return identifier in self._asking
 
+    def is_waiting(self, identifier: str) -> bool:
+        """Whether another engine computes ``identifier`` and a wait for it is out."""
+        return identifier in self._waiting
+
+    def stop_waiting(self, identifier: str) -> None:
+        """This engine computes ``identifier`` after all (its request runs now); the
+        wait's outcome, when it comes, is only remembered."""
+        if identifier in self._waiting and identifier not in self._given_up:
+            self._given_up.add(identifier)
+            self._counters.add("claims_computed_after_wait")
+
     def ask(self, identifiers: Iterable[str]) -> None:
         """One blocking round trip for those of ``identifiers`` not answered yet."""
         todo = self._todo(identifiers)
         if todo and self._may_ask(todo):
-            self._apply(todo, self._round_trip(todo), carry=False)
+            self._apply(todo, self._round_trip(todo, self._ask), carry=False)
 
     def ask_in_background(self, identifiers: Iterable[str], wait_s: float) -> None:
         """Queue those of ``identifiers`` neither answered nor asked yet for the
@@ -153,10 +202,13 @@ class Existence:
         """Take in the answers that came back."""
         with self._cond:
             outcomes, self._outcomes = self._outcomes, []
+            waited, self._waited = self._waited, []
             self._answered.clear()
         for todo, outcome in outcomes:
             self._asking.difference_update(todo)
             self._apply(todo, outcome, carry=True)
+        for identifiers, landed, seconds in waited:
+            self._apply_wait(identifiers, landed, seconds)
 
     def forget_hit(self, identifier: str) -> None:
         """``identifier`` could not be loaded after all: a miss until ``miss_ttl_s``."""
@@ -181,6 +233,7 @@ class Existence:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._waiters.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while True:
@@ -190,7 +243,7 @@ class Existence:
                 if self._closed:
                     return
                 todo, self._queued = list(self._queued), {}
-            outcome = self._round_trip(todo)
+            outcome = self._round_trip(todo, self._ask_in_background)
             with self._cond:
                 self._outcomes.append((todo, outcome))
                 self._answered.update(todo)
@@ -209,10 +262,10 @@ class Existence:
         self._record_outage(todo, carry=False)
         return False
 
-    def _round_trip(self, todo: list[str]) -> _Outcome:
+    def _round_trip(self, todo: list[str], ask: Callable[[list[str]], list[Answer]]) -> _Outcome:
         started = time.monotonic()
         try:
-            return self._ask(todo), None, time.monotonic() - started
+            return ask(todo), None, time.monotonic() - started
         except Exception as exc:
             return None, exc, time.monotonic() - started
 
@@ -230,12 +283,66 @@ class Existence:
         if answers is None or len(answers) != len(todo):
             self._record_outage(todo, carry=carry)
             return
-        for identifier, present in zip(todo, answers, strict=True):
-            present = bool(present)
+        computing: list[str] = []
+        wait_s = 0.0
+        for identifier, answer in zip(todo, answers, strict=True):
+            if isinstance(answer, Computing) and self._wait is not None:
+                computing.append(identifier)
+                wait_s = max(wait_s, answer.for_s)
+                continue
+            present = answer is True
             self._step[identifier] = present
             if carry and not present:  # (positives stay in the LRU)
                 self._carry[identifier] = present
             (self._hits if present else self._misses).put(identifier, True)
+        if computing:
+            self._start_wait(computing, min(wait_s, self._max_wait_s))
+
+    def _start_wait(self, identifiers: list[str], wait_s: float) -> None:
+        """Leave ``identifiers`` unanswered (their requests deferred) while one thread
+        waits for them (``_wait``), at most ``wait_s`` seconds."""
+        self._counters.add("claims_contended", len(identifiers))
+        self._asking.update(identifiers)
+        self._waiting.update(identifiers)
+        wait = self._wait
+        assert wait is not None
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                landed: list[bool | None] | None = wait(identifiers, wait_s)
+            except Exception as exc:
+                self._on_failure(exc)
+                landed = None
+            with self._cond:
+                self._waited.append((identifiers, landed, time.monotonic() - started))
+                self._answered.update(identifiers)
+                self._cond.notify_all()
+
+        self._waiters.submit(run)
+
+    def _apply_wait(
+        self, identifiers: list[str], landed: list[bool | None] | None, seconds: float
+    ) -> None:
+        """A wait's outcome: a landed item is a hit; any other is computed here."""
+        self._asking.difference_update(identifiers)
+        self._waiting.difference_update(identifiers)
+        self._counters.add("claims_wait_seconds", seconds * len(identifiers))
+        outcomes = landed if landed is not None else [None] * len(identifiers)
+        for identifier, present in zip(identifiers, outcomes, strict=True):
+            if identifier in self._given_up:
+                self._given_up.discard(identifier)
+                if present is True:
+                    self._hits.put(identifier, True)
+                continue
+            if present is True:
+                self._counters.add("claims_landed")
+                self._step[identifier] = True
+                self._hits.put(identifier, True)
+            else:
+                self._counters.add("claims_computed_after_wait")
+                self._step[identifier] = self._carry[identifier] = False
+                self._misses.put(identifier, True)
 
     def _record_outage(self, todo: list[str], *, carry: bool) -> None:
         for identifier in todo:

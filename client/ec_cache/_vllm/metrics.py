@@ -29,6 +29,12 @@ class ECCachePromMetrics(ECConnectorPromMetrics):  # type: ignore[misc,unused-ig
         "exists_seconds": "Seconds of existence requests, summed.",
         "exists_failed": "Failed existence requests to ec-cache.",
         "breaker_opened": "Times the circuit breaker in front of ec-cache opened.",
+        "claims_granted": "Missing items this engine claimed (it encodes and uploads them).",
+        "claims_contended": "Items another engine was computing: their requests waited.",
+        "claims_landed": "Waited-for items that landed in ec-cache (then loaded).",
+        "claims_computed_after_wait": "Waited-for items computed here after all (claim "
+        "ended without an entry, or claim_wait_s passed).",
+        "claims_wait_seconds": "Seconds items waited for another engine's claim, summed.",
         "deferred_requests": "Requests deferred for an existence answer or a prefetch.",
         "deferred_seconds": "Seconds requests were deferred, summed.",
         "prefetch_started": "Entries the workers were asked to prefetch.",

@@ -10,6 +10,13 @@ Answers are kept: positives in a bounded LRU (entries are immutable), negatives 
 step and ``miss_ttl_s``. Failures feed a circuit breaker; while it is open every
 question is answered "miss" without touching the network (:mod:`.existence`).
 
+With ``load_mode: async`` and ``claims`` (the default), the question is a claim
+(``POST _claim``; ``_exists`` with claims where this engine does not save): an item
+nobody has becomes this engine's to compute and upload (the upload ends the claim), and
+an item another engine is computing keeps its request deferred until it lands (a hit),
+its claim ends without it, or ``claim_wait_s`` passes (then it is computed here). A
+question that fails or times out is a miss, as without claims.
+
 With ``load_mode: async`` an item found in ec-cache is ordered from the workers through
 the step's metadata, and the request is deferred until every worker rank reports it in
 host memory (the ranks' reports are merged by ``ECCacheWorkerReport.aggregate``); a
@@ -26,7 +33,7 @@ import ec_cache
 from ec_cache._vllm.breaker import CircuitBreaker
 from ec_cache._vllm.config import ECCacheConnectorConfig, make_client
 from ec_cache._vllm.counters import Counters
-from ec_cache._vllm.existence import Existence
+from ec_cache._vllm.existence import Answer, Computing, Existence
 from ec_cache._vllm.keys import cache_key, request_scoped
 from ec_cache._vllm.logs import ConnectorLog
 from ec_cache._vllm.messages import ECCacheConnectorMetadata, ECCacheLoad, ECCacheWorkerReport
@@ -63,11 +70,20 @@ def _still_needed(request: Request, num_computed_tokens: int) -> list[int]:
     ]
 
 
+def _answer(status: ec_cache.KeyStatus) -> Answer:
+    if status.state == "present":
+        return True
+    if status.state == "computing":
+        return Computing(status.expires_in or 0.0)
+    return False  # absent: claimed by this engine (granted), or nobody could claim it
+
+
 class ConnectorScheduler:
     """The scheduler's side of one connector. ``consumer``: whether this deployment
-    loads (else every answer is "compute it"); ``async_loads``: whether items are
-    prefetched before their request runs; ``widths``: vLLM's measured encoder output
-    widths per modality (producers only)."""
+    loads (else every answer is "compute it"); ``saves``: whether its workers upload
+    what the encoder computes (then it claims what it computes); ``async_loads``:
+    whether items are prefetched before their request runs (claims need it);
+    ``widths``: vLLM's measured encoder output widths per modality (producers only)."""
 
     def __init__(
         self,
@@ -76,6 +92,7 @@ class ConnectorScheduler:
         dtype: str,
         *,
         consumer: bool,
+        saves: bool,
         async_loads: bool,
         widths: dict[str, int],
         counters: Counters,
@@ -91,6 +108,19 @@ class ConnectorScheduler:
             timeout=config.exists_timeout_s, attempts=1,
             raise_on_unavailable=False, concurrency=1,
         )  # fmt: skip
+        # Claims are asked in the background only, where a question defers just its
+        # request (the loop waits exists_wait_s): worth a longer timeout, since a
+        # timeout means encoding an item another engine may be computing.
+        claims = config.claims and async_loads and consumer
+        self._claims_granted = claims and saves
+        self._claim_lease_s = config.claim_lease_s
+        self._claims_client: ec_cache.Client | None = None
+        if claims:
+            self._claims_client = make_client(
+                config, model, dtype,
+                timeout=config.claim_timeout_s, attempts=1,
+                raise_on_unavailable=False, concurrency=1,
+            )  # fmt: skip
         self.breaker = CircuitBreaker(
             config.breaker_failures, config.breaker_cooldown_s, config.breaker_max_cooldown_s
         )
@@ -109,6 +139,9 @@ class ConnectorScheduler:
                 "failures are counted in exists_failed",
                 exc,
             ),
+            ask_in_background=self._claim_many if claims else None,
+            wait=self._wait_many if claims else None,
+            max_wait_s=config.claim_wait_s,
         )
         self._planner = PrefetchPlanner(timeout_s=config.load_timeout_s, counters=counters)
         self._promised: set[str] = set()  # has_cache_item said True this step
@@ -116,8 +149,28 @@ class ConnectorScheduler:
         self._deferred_since: dict[str, float] = {}  # request id -> first deferral
         self._pending_loads: dict[str, ECCacheLoad] = {}
 
-    def _exists_many(self, identifiers: list[str]) -> list[bool]:
-        return self._client.exists_many([cache_key(i) for i in identifiers])
+    def _exists_many(self, identifiers: list[str]) -> list[Answer]:
+        return list(self._client.exists_many([cache_key(i) for i in identifiers]))
+
+    def _claim_many(self, identifiers: list[str]) -> list[Answer]:
+        """Claim the missing items this engine will compute and upload; an engine
+        that does not save only asks what is present or being computed."""
+        client = self._claims_client
+        assert client is not None
+        keys = [cache_key(i) for i in identifiers]
+        if not self._claims_granted:
+            return [_answer(status) for status in client.status_many(keys)]
+        statuses = client.claim_many(keys, lease=self._claim_lease_s)
+        granted = sum(status.granted for status in statuses)
+        if granted:
+            self._counters.add("claims_granted", granted)
+        return [_answer(status) for status in statuses]
+
+    def _wait_many(self, identifiers: list[str], timeout: float) -> list[bool | None]:
+        assert self._claims_client is not None
+        keys = [cache_key(i) for i in identifiers]
+        statuses = self._claims_client.wait_many(keys, timeout=timeout)
+        return [{"present": True, "absent": False}.get(status.state) for status in statuses]
 
     def _width(self, request: Request, index: int) -> int | None:
         return self._widths.get(getattr(request.mm_features[index], "modality", ""))
@@ -139,12 +192,17 @@ class ConnectorScheduler:
         if unknown:
             existence.ask_in_background(unknown, self._exists_wait_s)
         ready = True
+        waiting = computing_here = False
         for index in needed:
             identifier = features[index].identifier
             present = existence.known(identifier)
-            if present is None:
+            if present is None and existence.is_waiting(identifier):
+                waiting = True  # another engine encodes it
+            elif present is None:
                 ready = False  # the answer is not in yet
-            elif present and self._async_loads and identifier not in self._resident:
+            elif not present:
+                computing_here = True
+            elif self._async_loads and identifier not in self._resident:
                 status = self._planner.need(
                     request.request_id,
                     identifier,
@@ -153,6 +211,11 @@ class ConnectorScheduler:
                     self._width(request, index),
                 )
                 ready &= status not in (PrefetchStatus.ORDERED, PrefetchStatus.SHIPPED)
+        # A request whose encoder runs here anyway (an item this engine claimed) does
+        # not wait for other engines' items: two engines that each claimed an item of
+        # the same request would otherwise wait for each other until a lease ran out.
+        # Its waited-for items are then computed here too (has_cache_item).
+        ready &= not waiting or computing_here
         self._note_deferral(request.request_id, ready)
         return ready
 
@@ -176,7 +239,10 @@ class ConnectorScheduler:
         existence = self._existence
         existence.collect()
         answer = existence.known(identifier)
-        if answer is None:  # a vLLM that did not call ensure_cache_available first
+        if answer is None and existence.is_waiting(identifier):
+            existence.stop_waiting(identifier)  # its request runs now: compute it
+            answer = False
+        elif answer is None:  # a vLLM that did not call ensure_cache_available first
             if existence.is_asking(identifier):
                 existence.wait_for(identifier)
             else:
@@ -273,3 +339,5 @@ class ConnectorScheduler:
     def close(self) -> None:
         self._existence.close()
         self._client.close()
+        if self._claims_client is not None:
+            self._claims_client.close()
