@@ -3,7 +3,9 @@ a real server through plain HTTP)."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
@@ -116,3 +118,21 @@ def prefetcher_of(conn: ECCacheConnector) -> Prefetcher:
 def breaker_of(conn: ECCacheConnector) -> CircuitBreaker:
     assert conn.scheduler is not None
     return conn.scheduler.breaker
+
+
+def tiny_model_config(folder: Path, torch_dtype: str) -> Any:
+    """vLLM's ``ModelConfig`` of a one-layer Llama written to ``folder`` (no weights,
+    no tokenizer): what the connector reads from a model config, nothing more."""
+    from vllm.config import ModelConfig
+
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_hidden_layers": 1, "num_key_value_heads": 4, "vocab_size": 1000,
+                "max_position_embeddings": 512, "torch_dtype": torch_dtype,
+            }
+        )
+    )  # fmt: skip
+    return ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="auto")

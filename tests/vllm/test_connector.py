@@ -33,6 +33,7 @@ from helpers import (
     ns,
     put_raw,
     step,
+    tiny_model_config,
 )
 
 # ------------------------------------------------------------------- factory
@@ -73,21 +74,8 @@ def test_namespace_from_vllm_model_config(
 ) -> None:
     """dtype comes from vLLM's ModelConfig; a local model path is refused as a
     namespace until ``model`` is set."""
-    import json
 
-    from vllm.config import ModelConfig
-
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                "num_hidden_layers": 1, "num_key_value_heads": 4, "vocab_size": 1000,
-                "max_position_embeddings": 512, "torch_dtype": "float16",
-            }
-        )
-    )  # fmt: skip
-    model_config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="auto")
+    model_config = tiny_model_config(tmp_path, "float16")
     with pytest.raises(ValueError, match=r"set ec_connector_extra_config\.model"):
         connector(SCHED, {"url": server.url}, model_config=model_config)
     conn = connector(SCHED, {"url": server.url, "model": "org/tiny"}, model_config=model_config)

@@ -43,6 +43,7 @@ from helpers import (
     ns,
     put_raw,
     step,
+    tiny_model_config,
 )
 
 from testkit.polling import wait_for
@@ -325,21 +326,8 @@ def test_the_width_comes_from_the_model_config(
 ) -> None:
     """Before its encoder computed anything, a worker knows the width from vLLM's
     ModelConfig (here a language model's hidden size of 64)."""
-    import json
 
-    from vllm.config import ModelConfig
-
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                "num_hidden_layers": 1, "num_key_value_heads": 4, "vocab_size": 1000,
-                "max_position_embeddings": 512, "torch_dtype": "bfloat16",
-            }
-        )
-    )  # fmt: skip
-    model_config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="auto")
+    model_config = tiny_model_config(tmp_path, "bfloat16")
     model = ns()
     narrow, right = mm_hash(), mm_hash()
     put_raw(server, model, narrow, embeds(width=32))
