@@ -219,10 +219,22 @@ def _plan(quick: bool) -> tuple[list[Payload], dict[str, tuple[int, int]], list[
 
 def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     """See the module docstring."""
+    return measure(svc, *_plan(plan.quick), log)
+
+
+def measure(
+    svc: Services,
+    payloads: list[Payload],
+    requests: dict[str, tuple[int, int]],
+    rates: list[str],
+    log: Any,
+) -> dict[str, Any]:
+    """The section's measurements for ``payloads`` ((requests, rounds) per payload name),
+    behind each S3 link rate in ``rates`` where tc allows (``bench/break_even.py`` runs
+    it on the entry sizes of its models)."""
     isolation = Isolation.plan()
     log(f"s3: {isolation.describe()}")
-    payloads, requests, rates = _plan(plan.quick)
-    why_not_shaped = s3_link.why_not()
+    why_not_shaped = s3_link.why_not() if rates else "no link rate asked for"
     if why_not_shaped:
         log(f"s3: S3 link NOT shaped ({why_not_shaped})")
         rates = []
