@@ -11,8 +11,8 @@ In one run (``make bench-break-even``, ~5 min on the 2-core build VM):
    image and per MB of the output vLLM stores (bf16);
 2. **loading**: the SDK's ``get`` of an entry of each model's 1080p size into a tensor,
    as a disk hit and as an S3 read-through, on loopback and behind S3's per-connection
-   link where tc allows: the full benchmark's ``s3`` section (``bench/s3_paths.py``),
-   run on these three entries only.
+   link where tc allows: the GETs of the full benchmark's ``s3`` section
+   (``bench/s3_paths.py``), run on these three entries only.
 
 Per MB, loading wins wherever the encoder takes longer than the load; the table gives
 the ratio. Published GPU encoder times stand in a table of their own, marked as cited,
@@ -306,7 +306,9 @@ def run(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
     try:
         # The smoke run leaves loopback unshaped: tc's qdisc is the whole machine's.
         rates = [] if args.smoke else [s3_link.PER_CONNECTION]
-        loads = s3_paths.measure(services, list(entries.values()), requests, rates, log)
+        loads = s3_paths.measure(
+            services, list(entries.values()), requests, rates, log, gets_only=True
+        )
     finally:
         services.close()
     meta["loadavg_end"] = load_average()
