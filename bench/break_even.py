@@ -23,7 +23,9 @@ number, the commit, date and machine) and ``break-even.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -76,24 +78,27 @@ CITED: dict[str, dict[str, Any]] = {
 }
 
 
-def commit() -> dict[str, Any]:
-    """The checkout's commit and whether it had uncommitted changes."""
+def provenance() -> dict[str, Any]:
+    """The checkout's commit (``dirty``: tracked files differ from it), the date and the
+    machine, as every results JSON's ``meta`` holds them."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
-            )
-    except OSError:
-        return ""
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), ""
+        )
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "machine": {**suite.machine(), "cpu": cpu, "memory_gib": round(memory, 1)},
+    }
 
 
 def time_encoders(reps: int, qwen_image: str, smoke: bool, work: Path) -> dict[str, Any]:
@@ -224,8 +229,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Break-even: computing an encoder output or loading it",
         "",
-        f"One run of `{meta['command']}`, {meta['date']}, commit "
-        f"{(meta['commit'] or '?')[:12]}{dirty}; {meta['cpu']}, {meta['machine']['cpus']} CPUs, "
+        f"One run of `{meta['command']}`, {meta['started']}, commit "
+        f"{(meta['commit'] or '?')[:12]}{dirty}; {meta['machine']['cpu']}, "
+        f"{meta['machine']['cpus']} CPUs, "
         f"load average {meta['loadavg_start'][0]} -> {meta['loadavg_end'][0]}. "
         "Raw numbers: `break-even.json`.",
         "",
@@ -287,10 +293,7 @@ def markdown(results: dict[str, Any]) -> str:
 def run(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "command": "python -m bench.break_even" + "".join(f" {a}" for a in args.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        **commit(),
-        "cpu": cpu_model(),
-        "machine": suite.machine(),
+        **provenance(),
         "loadavg_start": load_average(),
     }
     log("encoders: building and timing (engine venv)")

@@ -114,8 +114,9 @@ def test_committed_table_is_its_json() -> None:
     markdown, results = committed()
     assert_table_matches(markdown, results)
     meta = results["meta"]
-    assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]) and meta["date"]
-    assert meta["machine"]["cpus"] >= 1 and meta["cpu"]
+    assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]) and meta["started"]
+    assert meta["dirty"] in (True, False)
+    assert {"node", "cpus", "cpu", "memory_gib", "python"} <= set(meta["machine"])
     assert f"commit {meta['commit'][:12]}" in markdown
 
 
