@@ -2,6 +2,7 @@
 
     python -m bench.break_even [--reps 5] [--qwen-image 448x448] [--out bench/results]
     python -m bench.break_even --smoke --out DIR     # tiny encoders and entries, no tc (a test)
+    python -m bench.break_even --render              # break-even.md again from its JSON
 
 In one run (``make bench-break-even``, ~5 min on the 2-core build VM):
 
@@ -238,7 +239,7 @@ def markdown(results: dict[str, Any]) -> str:
         "## Measured here, in this run",
         "",
         f"Encoders (`bench/encoder_time.py`): random weights in each model's real shapes, "
-        f"{enc['dtype']}, {enc['torch_threads']} torch thread(s), transformers "
+        f"{enc['dtype']}, torch threads: {enc['torch_threads']}, transformers "
         f"{enc['transformers']}; ms per image: median of {enc['reps']} passes after "
         f"{enc['warm_up_passes']} warm-up (min-max). Loads (`bench/s3_paths.py`): the SDK's "
         "`get` of an entry of the model's 1080p size into a tensor, p50 of all requests "
@@ -334,7 +335,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--qwen-image", default="448x448", help="WxH for the Qwen towers")
     parser.add_argument("--smoke", action="store_true", help="tiny encoders and entries")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite break-even.md from --out's JSON only"
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        results = json.loads((args.out / "break-even.json").read_text())
+        (args.out / "break-even.md").write_text(markdown(results))
+        return
     args.argv = sys.argv[1:] if argv is None else argv
     # Large copies through torch's intra-op pool stall when the other core is busy; the
     # loads compute nothing (as in ``python -m bench``).

@@ -147,22 +147,26 @@ def test_qwen_images_round_as_the_entries_assume() -> None:
 
 
 def test_readme_cites_the_committed_run() -> None:
-    """README.md's break-even sentence: each figure as the committed table shows it."""
+    """README.md's break-even sentences: each figure as the committed JSON has it, the GPU
+    figure marked as cited, with its source."""
     _, results = committed()
     readme = " ".join((ROOT / "README.md").read_text().split())
-    rows = {row["payload"]: row for row in results["rows"]}
-    qwen = rows["qwen25vl-2691x3584"]
-    cited = next(c for c in results["cited"] if c["payload"] == "qwen25vl-2691x3584")
-    sentence = re.search(r"In one run on the build VM \(([^)]*)\)[^.]*\.[^.]*\.", readme)
-    assert sentence, "README.md lost its break-even sentence"
-    text = sentence.group(0)
+    qwen = next(row for row in results["rows"] if row["payload"] == "qwen25vl-2691x3584")
+    cited = next(row for row in results["cited"] if row["payload"] == "qwen25vl-2691x3584")
+    start = readme.index("In one run on the build VM")
+    measured = readme[start : readme.index("*cited*", start)]
     figures = {
-        "Qwen2.5-VL-7B's encoder": qwen["encoder_ms_per_mb"][0],
+        "Qwen2.5-VL-7B's encoder took": qwen["encoder_ms_per_mb"][0],
         "a disk hit": qwen["disk_hit_ms_per_mb"][0],
         "S3 behind its link": qwen["s3_link_read_through_ms_per_mb"][0],
     }
     for phrase, value in figures.items():
-        shown = re.search(re.escape(phrase) + r"[^0-9]*(" + NUMBER.pattern + ")", text)
-        assert shown, (phrase, text)
+        shown = re.search(re.escape(phrase) + r" (" + NUMBER.pattern + ") ms/MB", measured)
+        assert shown, f"README.md: no figure after {phrase!r} in {measured!r}"
         assert_shows(shown.group(1), [value])
-    assert f"*cited*: {cited['encoder_ms']:.0f} ms" in readme and cited["source"] in readme
+    assert f"a {qwen['image']} image" in measured
+    gpu = re.search(r"\*cited\*: (\d+) ms for a 1080p image on an H100 \(([\d.]+) ms/MB\)", readme)
+    assert gpu, "README.md: the cited GPU figure lost its mark or its form"
+    assert_shows(gpu.group(1), [cited["encoder_ms"]])
+    assert_shows(gpu.group(2), [cited["encoder_ms_per_mb"]])
+    assert cited["source"] in readme[gpu.start() : gpu.end() + 300]
