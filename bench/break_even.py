@@ -281,9 +281,9 @@ def markdown(results: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Caveats: the Qwen towers ran on a smaller image than the 1080p entries loaded; "
-        "attention grows with the square of the patches (Qwen3-VL attends globally in every "
-        "layer), so a 1080p image costs more ms per MB than shown, and loading wins by more. "
+        f"Caveats: the Qwen towers ran on a {rows[0]['image']} image, the entries loaded are "
+        "a 1080p image's; attention grows with the square of the patches (Qwen3-VL attends "
+        "globally in every layer), so the larger the image, the more ms per MB it costs. "
         "The CPU is not the GPU a deployment encodes on: the measured ratios say where this "
         "machine breaks even, the cited rows where a GPU would. S3 on loopback has no round "
         "trip (`bench/s3_link.py`).",
