@@ -7,8 +7,8 @@ call is made: it counts and times it, maps its failure onto :class:`S3Error` /
 :class:`S3Unavailable` (``errors``), opens or closes the breaker (``breaker``) and
 answers ``None`` for a missing object where the caller allows it. The control plane
 (HEAD, list, delete, multipart create/complete/abort) is boto3 calls; the data plane
-(the read path's GET, :meth:`open`, its body an ``S3Download``; single PUTs and part
-uploads, ``transfers``) goes through :attr:`S3Client.data_plane` (``data_plane``).
+(the read path's GET, :meth:`open`, its body an ``S3Download``; the ranged GET of
+:meth:`get_range`; single PUTs and part uploads, ``transfers``) goes through :attr:`S3Client.data_plane` (``data_plane``).
 
 Everything here speaks object keys (described by ``objects``); ``backend`` maps entries
 onto them, ``transfers`` uploads, ``readiness`` diagnoses.
@@ -40,7 +40,7 @@ from app.tiers.s3.errors import (
     map_error,
     outage_reason,
 )
-from app.tiers.s3.objects import ObjectInfo, info_from_headers, info_from_response
+from app.tiers.s3.objects import ByteSpan, ObjectInfo, info_from_headers, info_from_response
 
 log = logging.getLogger(__name__)
 
@@ -255,19 +255,18 @@ class S3Client:
         """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``
         when the object does not exist. For reading a body's header without the body."""
 
-        def _get() -> bytes:
-            resp = self.client.get_object(
-                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
-            )
-            body = resp["Body"]
+        async def _get() -> bytes:
+            _, body = await self.data_plane.get_span(key, ByteSpan(start, start + length))
+            data = bytearray()
             try:
-                data: bytes = body.read()
+                while chunk := await body.read():
+                    data += chunk
             finally:
-                body.close()
+                await body.aclose()
             self.metrics.bytes_down.inc(len(data))
-            return data
+            return bytes(data)
 
-        return await self.call("get_range", _get, not_found_ok=True)
+        return await self._call_on_loop("get_range", _get, not_found_ok=True)
 
     async def delete(self, key: str) -> None:
         """Remove an object; absent objects are fine."""

@@ -81,6 +81,7 @@ class S3DataPlane:
         closers: tuple[Callable[[], None], ...] = (),
     ) -> None:
         self.layer = layer
+        self._gets = gets
         self._reads: SpanGet | RangedGet = gets
         if settings.s3_get_concurrency > 1:
             self._reads = RangedGet(
@@ -98,6 +99,11 @@ class S3DataPlane:
         unread body. Raises botocore's exceptions (``ClientError`` for an error answer,
         a missing object included)."""
         return await self._reads.open(key)
+
+    async def get_span(self, key: str, span: ByteSpan) -> tuple[Mapping[str, str], ObjectBody]:
+        """The headers and the unread body of the bytes ``span`` of ``key`` (fewer at
+        the object's end), in one GET. Raises as :meth:`get` does."""
+        return await self._gets.open(key, span)
 
     def put(
         self,
