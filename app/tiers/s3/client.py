@@ -8,7 +8,8 @@ call is made: it counts and times it, maps its failure onto :class:`S3Error` /
 answers ``None`` for a missing object where the caller allows it. The control plane
 (HEAD, list, delete, multipart create/complete/abort) is boto3 calls; the data plane
 (the read path's GET, :meth:`open`, its body an ``S3Download``; the ranged GET of
-:meth:`get_range`; single PUTs and part uploads, ``transfers``) goes through :attr:`S3Client.data_plane` (``data_plane``).
+:meth:`get_range`; single PUTs and part uploads, ``transfers``) goes through
+:attr:`S3Client.data_plane` (``data_plane``).
 
 Everything here speaks object keys (described by ``objects``); ``backend`` maps entries
 onto them, ``transfers`` uploads, ``readiness`` diagnoses.

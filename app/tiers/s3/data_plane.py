@@ -15,6 +15,11 @@ the client is made, never by a caller:
   S3 thread pool (:class:`Boto3Http`): ``get_object`` (with ``Range`` and ``IfMatch``),
   ``put_object``, ``upload_part``.
 
+The ``loop`` layer keeps two sets of kept-alive connections to the endpoint: the event
+loop's, for GETs, and botocore's pool, for uploads, which are sent from the S3 thread
+pool (a file's body from its mapping, a streaming upload's from a pipe the loop feeds).
+The other layers have one pool.
+
 Whatever the layer: one retry policy (botocore's "standard" mode up to
 ``EC_S3_MAX_ATTEMPTS``: ``errors.standard_retries``, or boto3's own, which is that
 mode), one error mapping (botocore's exceptions, mapped by ``errors.map_error`` in

@@ -1,8 +1,9 @@
 """An open S3 GET: the object's description known, its body still on the wire.
 
-The body comes from the data plane's GET (``data_plane``) and is read in chunks, never buffered whole. A connection that breaks mid-body, or a body shorter
-than announced, is an :class:`S3Unavailable` (and opens the breaker): the body is then
-incomplete and must not be used.
+The body comes from the data plane's GET (``data_plane``) and is read in chunks, never
+buffered whole. A connection that breaks mid-body, or a body shorter than announced, is
+an :class:`S3Unavailable` (and opens the breaker): the body is then incomplete and must
+not be used.
 """
 
 from __future__ import annotations
