@@ -23,7 +23,7 @@ The other layers have one pool.
 Whatever the layer: one retry policy (botocore's "standard" mode up to
 ``EC_S3_MAX_ATTEMPTS``: ``errors.standard_retries``, or boto3's own, which is that
 mode), one error mapping (botocore's exceptions, mapped by ``errors.map_error`` in
-``client``), SigV4 by one signer (``signing``), and a large object's GET read as
+``client``), SigV4 by ``signing`` (or boto3 itself), and a large object's GET read as
 concurrent ranged parts (``ranged_get``) unless ``EC_S3_GET_CONCURRENCY`` is 1.
 """
 
