@@ -41,7 +41,7 @@ import torch
 from bench import s3_link, s3_paths, suite
 from bench.lifecycle import unwind_on_sigterm
 from bench.payloads import FULL_PAYLOADS, Payload
-from bench.services import Services, load_average
+from bench.services import Services
 from testkit.vllm_engine import ENGINE_PYTHON, ROOT, engine_env
 
 MB = 1_000_000
@@ -77,6 +77,10 @@ CITED: dict[str, dict[str, Any]] = {
         "caveat": "llama.cpp's CLIP on a laptop chip; no datacenter-GPU figure found",
     },
 }
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def provenance() -> dict[str, Any]:
