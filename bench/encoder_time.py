@@ -220,9 +220,7 @@ def qwen3_vl(config: dict[str, Any], image: tuple[int, int], dtype: Any) -> Enco
     )
 
 
-def llava15(
-    clip: dict[str, Any], llava: dict[str, Any], _image: tuple[int, int], dtype: Any
-) -> Encoder:
+def llava15(clip: dict[str, Any], llava: dict[str, Any], dtype: Any) -> Encoder:
     import torch
     from transformers import CLIPVisionConfig, CLIPVisionModel, LlavaConfig
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -298,7 +296,6 @@ def measure(reps: int, threads: int, qwen_image: tuple[int, int], smoke: bool) -
         llava15(
             {**CLIP_VIT_L_336, **tiny.get("clip", {})},
             {**LLAVA_15_7B, **tiny.get("llava", {})},
-            image,
             dtype,
         ),
     ]
