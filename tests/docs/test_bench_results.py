@@ -1,0 +1,103 @@
+"""The figures the docs cite are the figures their results JSON holds.
+
+Each case is one results JSON and the documents that quote it: the documents must equal
+what the bench's own renderer makes of the JSON (README.md's "What it saves" block,
+bench/results/serve*.md, claims-serve.md, the claims sentence of README.md), so a
+figure edited by hand, or a JSON replaced without rendering again
+(``python -m bench.serve --render``), fails here. Every JSON must say which commit, date
+and machine produced it. Nothing is run: this reads files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import claims_serve, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+
+
+def _json(name: str) -> Any:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _readme_block() -> str:
+    text = README.read_text()
+    begin, end = text.index(serve.README_BEGIN), text.index(serve.README_END)
+    return text[begin : end + len(serve.README_END) + 1]
+
+
+@dataclass(frozen=True)
+class Case:
+    """``jsons``' results, and each document's cited text next to its rendering."""
+
+    jsons: tuple[str, ...]
+    #: (what is compared, the cited text, the text rendered from the JSONs)
+    pairs: Callable[[], list[tuple[str, str, str]]]
+
+
+def _serve_pairs() -> list[tuple[str, str, str]]:
+    full, tiny = _json("serve.json"), _json("serve-tiny.json")
+    return [
+        ("bench/results/serve.md", (RESULTS / "serve.md").read_text(), serve.markdown(full)),
+        (
+            "bench/results/serve-tiny.md",
+            (RESULTS / "serve-tiny.md").read_text(),
+            serve.markdown(tiny),
+        ),
+        ("README.md, What it saves", _readme_block(), serve.readme_block(full, tiny)),
+    ]
+
+
+def _claims_pairs() -> list[tuple[str, str, str]]:
+    results = _json("claims-serve.json")
+    pairs = results["pairs"]
+    sentence = (
+        f"{pairs['claims']['summary']['encodes_per_image']['median']:.2f} encodes per image "
+        f"against {pairs['no claims']['summary']['encodes_per_image']['median']:.2f} "
+        "without claims"
+    )
+    readme = re.sub(r"\s+", " ", README.read_text())
+    cited = re.search(r"[\d.]+ encodes per image against [\d.]+ without claims", readme)
+    return [
+        (
+            "bench/results/claims-serve.md",
+            (RESULTS / "claims-serve.md").read_text(),
+            claims_serve.markdown(results),
+        ),
+        ("README.md, encode once per cluster", cited.group(0) if cited else "", sentence),
+    ]
+
+
+CASES = {
+    "serve": Case(("serve.json", "serve-tiny.json"), _serve_pairs),
+    "claims-serve": Case(("claims-serve.json",), _claims_pairs),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_docs_cite_their_json(name: str) -> None:
+    for what, cited, rendered in CASES[name].pairs():
+        assert cited == rendered, f"{what} differs from {CASES[name].jsons} as rendered"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_results_say_what_produced_them(name: str) -> None:
+    for json_name in CASES[name].jsons:
+        meta = _json(json_name)["meta"]
+        assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]), json_name
+        assert meta.get("started") or meta.get("date"), json_name
+        if meta["machine"] is None:
+            # Only results that predate run metadata, saying so.
+            assert "added afterwards" in meta["note"].lower(), json_name
+        else:
+            assert {"node", "cpus", "cpu", "memory_gib", "python"} <= set(meta["machine"])
