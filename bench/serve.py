@@ -36,7 +36,7 @@ images, run moments apart), "within noise" where that range includes zero. Also 
 connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
 (lookups by tier, bytes) over the measured passes, the encoder's share of a request
 (``bench/encoder_share.py``, in the same run) and the run's commit, date and machine
-(``bench/provenance.py``). ``--smoke`` runs three rows of one short pass with the tiny
+(``bench/provenance.py``). ``--smoke`` runs three rows of two short passes with the tiny
 model (tests/vllm_engine/test_bench_serve.py). Results: ``serve.json``, ``serve.md`` and
 ``serve.png`` in ``--out``; ``--render`` rewrites the Markdown, the plot and README.md's
 "What it saves" table from the JSONs without running anything.
@@ -111,7 +111,7 @@ FULL = Workload(
     warmup_prompts=16,
 )  # fmt: skip
 SMOKE = Workload(
-    "tiny", prompts=4, input_len=16, output_len=8, image_side=112, concurrency=4, passes=1,
+    "tiny", prompts=4, input_len=16, output_len=8, image_side=112, concurrency=4, passes=2,
     warmup_prompts=2,
 )  # fmt: skip
 
@@ -371,6 +371,22 @@ def engine_versions() -> dict[str, str | None]:
     return versions
 
 
+def measured_pass(
+    url: str, cache_url: str | None, model: Path, load: Workload, seed: int, work: Path, name: str
+) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
+    """Row ``name``'s pass of ``seed`` against the vLLM server at ``url``: vLLM's
+    client's result, and the counters it moved on vLLM and on the cache server."""
+    cache_before = prometheus(cache_url, "ec_") if cache_url else {}
+    vllm_before = prometheus(url, "vllm:ec_cache_")
+    slug = re.sub(r"\W+", "-", name)
+    result = bench_pass(url, model, load, seed, work, f"{slug}-{seed}")
+    cache = {}
+    if cache_url:
+        counts = delta(prometheus(cache_url, "ec_"), cache_before)
+        cache = {k: v for k, v in counts.items() if k.startswith(SERVER_COUNTERS)}
+    return result, delta(prometheus(url, "vllm:ec_cache_"), vllm_before), cache
+
+
 def run(
     load: Workload, servers: tuple[Server, ...], work: Path, hold_ms: int, share: bool, log: Any
 ) -> dict[str, Any]:
@@ -382,43 +398,51 @@ def run(
         log(f"serve: encoder {encoder['encoder_ms']} ms of {encoder['request_ms']} ms a request")
     rows = {name: Row(name, server.name) for server in servers for name in server.rows}
     with cache_replicas(work) as (a, b), contextlib.ExitStack() as stack:
-        caches = {"a": a.url, "b": b.url}
+        # Per cache: the URL its servers' connectors use, and the cache server whose
+        # counters their rows report (replica A's for the rows behind the proxy).
+        caches = {"a": (a.url, a.url), "b": (b.url, b.url)}
         if any(server.cache == "slow" for server in servers):
             proxy = stack.enter_context(FaultProxy(a.url, "slow", delay_s=hold_ms / 1000))
-            caches["slow"] = proxy.url
+            caches["slow"] = (proxy.url, a.url)
         urls: dict[str, str] = {}
         for server in servers:
             started = time.monotonic()
             config = None
             if server.cache is not None:
                 extra = {"load_mode": server.load_mode} if server.load_mode else {}
-                config = connector_config(caches[server.cache], model=NAMESPACE, **extra)
+                config = connector_config(caches[server.cache][0], model=NAMESPACE, **extra)
             urls[server.name] = stack.enter_context(serving(model, work / server.name, config))
             log(f"serve: vLLM server {server.name} up in {time.monotonic() - started:.0f} s")
+        warmups: dict[str, Any] = {}
         if load.warmup_prompts:
             warmup = load.warmup
             for server in servers:
-                bench_pass(
-                    urls[server.name], model, warmup, warmup.seed, work, f"warmup-{server.name}"
+                counted = caches[server.cache][1] if server.cache else None
+                result, connector, cache = measured_pass(
+                    urls[server.name],
+                    counted,
+                    model,
+                    warmup,
+                    warmup.seed,
+                    work,
+                    f"warmup {server.name}",
                 )
+                warmups[server.name] = {
+                    "completed": result["completed"],
+                    **pass_figures(result),
+                    "connector": connector,
+                    "server": cache,
+                }
             log(f"serve: warmed up {len(servers)} servers ({load.warmup_prompts} requests each)")
         for seed in load.seeds:  # pass i: every row once, with seed + i
             started = time.monotonic()
             for server in servers:
-                url = urls[server.name]
-                # The cache server's counters: replica A's for the rows behind the proxy.
-                cache_url = {"slow": a.url}.get(server.cache or "", caches.get(server.cache or ""))
+                counted = caches[server.cache][1] if server.cache else None
                 for name in server.rows:
-                    cache_before = prometheus(cache_url, "ec_") if cache_url else {}
-                    vllm_before = prometheus(url, "vllm:ec_cache_")
-                    slug = re.sub(r"\W+", "-", name)
-                    result = bench_pass(url, model, load, seed, work, f"{slug}-{seed}")
-                    cache = {}
-                    if cache_url:
-                        counts = delta(prometheus(cache_url, "ec_"), cache_before)
-                        cache = {k: v for k, v in counts.items() if k.startswith(SERVER_COUNTERS)}
-                    connector = delta(prometheus(url, "vllm:ec_cache_"), vllm_before)
-                    rows[name].add(seed, result, connector, cache)
+                    measured = measured_pass(
+                        urls[server.name], counted, model, load, seed, work, name
+                    )
+                    rows[name].add(seed, *measured)
             log(
                 f"serve: pass of seed {seed} in {time.monotonic() - started:.0f} s: "
                 + ", ".join(
@@ -431,6 +455,7 @@ def run(
         "interleaved": True,
         "hold_ms": hold_ms,
         "encoder_share": encoder,
+        "warmup": warmups,  # per server; not reported
         "rows": summarize([row.raw() for row in rows.values()]),
     }
 
@@ -715,7 +740,9 @@ def render(out: Path, readme: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 3 rows, 4 requests")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model, 3 rows, 2 passes of 4 requests"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--render",
@@ -724,7 +751,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
     parser.add_argument("--prompts", type=int, help="requests per pass")
-    parser.add_argument("--passes", type=int, help="passes per row (default 5, smoke 1)")
+    parser.add_argument("--passes", type=int, help="passes per row (default 5, smoke 2)")
     parser.add_argument("--warmup-prompts", type=int, help="each server's warm-up pass")
     parser.add_argument(
         "--profile",
