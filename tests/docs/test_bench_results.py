@@ -2,7 +2,8 @@
 
 Each case is one results JSON and the documents that quote it: the documents must equal
 what the bench's own renderer makes of the JSON (README.md's "What it saves" block,
-bench/results/serve*.md, claims-serve.md, the claims sentence of README.md), so a
+bench/results/serve*.md, claims-serve.md, the claims sentence of README.md, the
+engine-stall figures of docs/vllm.md), so a
 figure edited by hand, or a JSON replaced without rendering again
 (``python -m bench.serve --render``), fails here. Every JSON must say which commit, date
 and machine produced it. Nothing is run: this reads files.
@@ -78,16 +79,38 @@ def _claims_pairs() -> list[tuple[str, str, str]]:
     ]
 
 
+def _stalls_pairs() -> list[tuple[str, str, str]]:
+    """docs/vllm.md's figures from ``make bench-vllm-stalls``: the connector before
+    asynchronous loads (``--sdk``, vllm-stalls-add7e74.json) against ``before``
+    (``load_mode: sync``, ``exists_wait_s: 1``) and ``after`` (the defaults)."""
+    old = _json("vllm-stalls-add7e74.json")["figures"]["sdk"]
+    new = _json("vllm-stalls.json")["figures"]
+    before, after = new["before"], new["after"]
+    rendered = [
+        f"took {old['exists_schedule_max_s'] * 1000:.0f} ms with the connector before this "
+        f"design and {after['exists_schedule_max_s'] * 1000:.1f} ms with the question in the "
+        f"background ({before['exists_schedule_max_s'] * 1000:.0f} ms with `exists_wait_s: 1`",
+        f"was {old['hold_max_gap_s']:.2f} s with the connector before this design "
+        f"({before['hold_max_gap_s']:.2f} s with `load_mode: sync`)",
+        f"With asynchronous loads it was {after['hold_max_gap_s']:.2f} s (median "
+        f"{after['hold_median_gap_s'] * 1000:.1f} ms); the image request alone waited "
+        f"({after['hold_image_wait_s']:.1f} s)",
+    ]
+    doc = re.sub(r"\s+", " ", (ROOT / "docs" / "vllm.md").read_text())
+    return [("docs/vllm.md", text if text in doc else "(not found)", text) for text in rendered]
+
+
 CASES = {
     "serve": Case(("serve.json", "serve-tiny.json"), _serve_pairs),
     "claims-serve": Case(("claims-serve.json",), _claims_pairs),
+    "vllm-stalls": Case(("vllm-stalls.json", "vllm-stalls-add7e74.json"), _stalls_pairs),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_docs_cite_their_json(name: str) -> None:
     for what, cited, rendered in CASES[name].pairs():
-        assert cited == rendered, f"{what} differs from {CASES[name].jsons} as rendered"
+        assert cited == rendered, f"{what} differs from {CASES[name].jsons}: {rendered!r}"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -96,8 +119,10 @@ def test_results_say_what_produced_them(name: str) -> None:
         meta = _json(json_name)["meta"]
         assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]), json_name
         assert meta.get("started") or meta.get("date"), json_name
-        if meta["machine"] is None:
-            # Only results that predate run metadata, saying so.
-            assert "added afterwards" in meta["note"].lower(), json_name
+        machine = meta["machine"] or {}
+        if "added afterwards" in (meta.get("note") or "").lower():
+            # Results that predate run metadata say so and keep what the run recorded.
+            assert machine == {} or "node" in machine, json_name
         else:
-            assert {"node", "cpus", "cpu", "memory_gib", "python"} <= set(meta["machine"])
+            assert meta["dirty"] in (True, False), json_name
+            assert {"node", "cpus", "cpu", "memory_gib", "python"} <= set(machine), json_name
