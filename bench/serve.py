@@ -29,11 +29,11 @@ passes of 48 requests: about 20 minutes on the 2-core build machine, most of it 
 client starting for each pass (~10 s) and six servers starting (~40 s each).
 
 A row reports, per figure (TTFT p50/p99, inter-token latency p99 and max, requests/s,
-output tokens/s), the median of its passes and their min-max, and each pass; and
-against its baseline (``none, again`` for ``warm``, ``none`` for the rest) the median
-and range of the ratios of its pass ``i`` to the baseline's pass ``i`` (the same
-images, run moments apart), "within noise" where that range includes zero. Also the
-connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
+output tokens/s), the median of its passes and their min-max, and each pass; and against
+its baseline (``none, again`` for ``warm``, ``none`` for the rest) the median and range
+of the ratios of its pass ``i`` to the baseline's pass ``i`` (the same images, in the
+same pass: minutes apart at most), "within noise" where that range includes zero. Also
+the connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
 (lookups by tier, bytes) over the measured passes, the encoder's share of a request
 (``bench/encoder_share.py``, in the same run) and the run's commit, date and machine
 (``bench/provenance.py``). ``--smoke`` runs three rows of two short passes with the tiny
