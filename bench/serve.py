@@ -19,14 +19,16 @@ Rows (each served by the vLLM server named in brackets):
   asynchronous loads (``load_mode``).
 
 Design (bench/README.md#serving): every vLLM server starts once and stays up for the
-whole run (six at once: about 2 GB each here, the KV cache 1 GiB of it). Each gets
-one warm-up pass of ``warmup_prompts`` requests with a seed no measured pass uses (not
-reported; ``cold``'s server first, so the others' warm-up loads as their rows do).
-Then the rows are interleaved: pass ``i`` runs every row once, in the order above, with
-seed ``seed + i`` (its random images and prompt tokens), so each pass meets images new
-to every server and to the cache, which the rows after ``cold`` find there. Five
-passes of 48 requests: about 20 minutes on the 2-core build machine, most of it vLLM's
-client starting for each pass (~10 s) and six servers starting (~40 s each).
+whole run (six at once: 7.4 GB resident in all, measured with the tiny model, whose
+weights are ~0.15 GB lighter a server than the bench model's; each reserves 1 GiB of KV
+cache space, mostly untouched). Each gets one warm-up pass of ``warmup_prompts``
+requests with a seed no measured pass uses (not reported; ``cold``'s server first, so
+the others' warm-up loads as their rows do). Then the rows are interleaved: pass ``i``
+runs every row once, in the order above, with seed ``seed + i`` (its random images and
+prompt tokens), so each pass meets images new to every server and to the cache, which
+the rows after ``cold`` find there. Five passes of 48 requests: about 20 minutes on the
+2-core build machine, most of it vLLM's client starting for each pass (~8 s) and six
+servers starting (~35 s each).
 
 A row reports, per figure (TTFT p50/p99, inter-token latency p99 and max, requests/s,
 output tokens/s), the median of its passes and their min-max, and each pass; and against
