@@ -40,7 +40,8 @@ the connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache 
 (``bench/encoder_share.py``, in the same run) and the run's commit, date and machine
 (``bench/provenance.py``). ``--smoke`` runs three rows of two short passes with the tiny
 model (tests/vllm_engine/test_bench_serve.py). Results: ``serve.json``, ``serve.md`` and
-``serve.png`` in ``--out``; ``--render`` rewrites the Markdown, the plot and README.md's
+``serve.png`` in ``--out``; ``--compare FIRST SECOND`` prints whether the second run's
+medians fall within the first's spreads; ``--render`` rewrites the Markdown, the plot and README.md's
 "What it saves" table from the JSONs without running anything.
 """
 
@@ -676,6 +677,36 @@ def readme_with(text: str, block: str) -> str:
     return text[:begin] + block + text[end + len(README_END) + 1 :]
 
 
+def reproduction(first: dict[str, Any], second: dict[str, Any]) -> str:
+    """Two runs side by side: per row, whether the second run's median requests/s and
+    TTFT p50 fall within the first run's spread (the min-max of its passes)."""
+    lines = [
+        f"| row | req/s, run 1 ({run_id(first)}) | req/s, run 2 ({run_id(second)}) "
+        "| TTFT p50 ms, run 1 | TTFT p50 ms, run 2 | run 2's medians within run 1's ranges |",
+        "|---|---|---|---|---|---|",
+    ]
+    again = {row["row"]: row for row in second["rows"]}
+    for one in first["rows"]:
+        two = again.get(one["row"])
+        if two is None:
+            continue
+        within = all(
+            one["spread"][f][0] <= two[f] <= one["spread"][f][1]
+            for f in ("requests_per_s", "ttft_p50_ms")
+        )
+        lines.append(
+            f"| {one['row']} | {with_spread(one, 'requests_per_s', 2)} "
+            f"| {with_spread(two, 'requests_per_s', 2)} | {with_spread(one, 'ttft_p50_ms', 0)} "
+            f"| {with_spread(two, 'ttft_p50_ms', 0)} | {'yes' if within else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_id(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    return f"{(meta.get('commit') or '?')[:7]}, {meta.get('started') or meta.get('date')}"
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -737,6 +768,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only rewrite serve*.md, serve*.png and README.md's table from the JSONs",
     )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("FIRST", "SECOND"),
+        help="only print whether SECOND's medians fall within FIRST's spreads",
+    )
     parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
     parser.add_argument("--prompts", type=int, help="requests per pass")
     parser.add_argument("--passes", type=int, help="passes per row (default 5, smoke 2)")
@@ -751,6 +789,10 @@ def main(argv: list[str] | None = None) -> None:
     readme = README if args.out.resolve() == RESULTS.resolve() else None
     if args.render:
         render(args.out, readme)
+        return
+    if args.compare:
+        first, second = (json.loads(path.read_text()) for path in args.compare)
+        print(reproduction(first, second), end="")
         return
     unwind_on_sigterm()
     load = SMOKE if args.smoke else FULL

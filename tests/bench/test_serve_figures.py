@@ -74,3 +74,15 @@ def test_readme_block_is_replaced_in_place() -> None:
     text = f"intro\n{serve.README_BEGIN}\nold table\n{serve.README_END}\nafter\n"
     block = f"{serve.README_BEGIN}\nnew table\n{serve.README_END}\n"
     assert serve.readme_with(text, block) == f"intro\n{block}after\n"
+
+
+def test_a_second_run_is_checked_against_the_first_runs_spread() -> None:
+    def run(commit: str, rates: list[float], ttfts: list[float]) -> dict[str, Any]:
+        meta = {"commit": commit * 40, "started": "2026-12-07 20:00:00 +0000"}
+        return {"meta": meta, "rows": serve.summarize([_row("none", rates, ttfts)])}
+
+    first = run("a", [4.0, 5.0, 6.0], [100, 200, 300])
+    inside = run("b", [5.5, 5.9, 6.2], [150, 250, 260])
+    outside = run("c", [6.1, 6.5, 7.0], [150, 250, 260])
+    assert serve.reproduction(first, inside).splitlines()[-1].endswith("| yes |")
+    assert serve.reproduction(first, outside).splitlines()[-1].endswith("| no |")
