@@ -4,8 +4,9 @@ poll, never a timing check."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 def wait_for(
@@ -20,11 +21,19 @@ def wait_for(
 
 
 async def async_wait_for(
-    condition: Callable[[], object], what: str, timeout: float = 30.0, interval: float = 0.001
+    condition: Callable[[], object | Awaitable[object]],
+    what: str,
+    timeout: float = 30.0,
+    interval: float = 0.001,
 ) -> None:
-    """:func:`wait_for` inside an event loop: the loop's other tasks run meanwhile."""
+    """:func:`wait_for` inside an event loop: the loop's other tasks run meanwhile.
+    ``condition`` may be a coroutine function (an HTTP call, say): it is awaited."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not await _outcome(condition()):
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+async def _outcome(value: object | Awaitable[object]) -> object:
+    return await value if inspect.isawaitable(value) else value

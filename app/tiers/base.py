@@ -122,7 +122,10 @@ class RemotePut(Protocol):
 class Backend(Protocol):
     """Remote persistence behind the disk tier (bazel-remote's ``cache.Proxy``): the
     data path only, entries in and out; what operators and purges need of the same
-    store is :class:`BackendAdmin`."""
+    store is :class:`BackendAdmin`. ``head`` belongs here: a client's HEAD of an entry
+    only the backend holds is answered from it (``read_through``), and the write-back
+    asks it which body won a race. ``put_file`` and ``begin_put`` are the one put from
+    its two sources: a committed file, or a body still being received."""
 
     #: The ``X-EC-Tier`` of what it serves, and the label of its metrics (``s3``).
     name: str

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from testkit.entries import body
-from testkit.polling import wait_for
+from testkit.polling import async_wait_for, wait_for
 from testkit.server import ServerProcess
 
 NAMESPACE = "/ec/org/claimed-model/float32"
@@ -54,11 +54,11 @@ def metric(url: str, name: str) -> float:
 
 async def until_waiting(http: httpx.AsyncClient, waiters: int, timeout: float = 30) -> None:
     """A bounded poll of the server's waiter gauge, on the test's event loop."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while _sample((await http.get("/metrics")).text, "ec_claim_waiters") < waiters:
-        if asyncio.get_running_loop().time() >= deadline:
-            raise AssertionError(f"timed out waiting for {waiters} waiters")
-        await asyncio.sleep(0.02)
+
+    async def enough() -> bool:
+        return _sample((await http.get("/metrics")).text, "ec_claim_waiters") >= waiters
+
+    await async_wait_for(enough, f"{waiters} waiters", timeout, interval=0.02)
 
 
 def test_of_many_racing_claimers_exactly_one_wins(server: ServerProcess) -> None:

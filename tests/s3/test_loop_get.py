@@ -1,6 +1,6 @@
 """The read path's GET on the event loop (``app/tiers/s3/loop_get.py``): kept-alive
 connections, bodies closed early, connections S3 closed, read timeouts, TLS, bodies relayed
-as they arrive, and the switch to botocore's transport (``signed_get``) behind a proxy.
+as they arrive, and the switch to botocore's transport (``signed_http``) behind a proxy.
 Against the real S3 endpoint where the behaviour is S3's, against a scripted server
 where it is the network's."""
 
@@ -208,6 +208,7 @@ async def test_behind_a_proxy_the_get_uses_botocores_transport(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", s3_proxy.url)
     store = make_store()
+    assert store.data_plane.layer == "botocore"
     s3_proxy.reset()
     assert await read_object(store, key) == data
     assert s3_proxy.count("GET") == 1  # the front saw the GET, as a proxy

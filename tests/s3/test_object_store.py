@@ -15,10 +15,10 @@ import pytest
 from app.checksum import crc32c as crc
 from app.keys import EntryKey
 from app.tiers.s3.client import S3Client
+from app.tiers.s3.download import FIRST_READ_BYTES
 from app.tiers.s3.errors import S3Error, S3Unavailable
 from app.tiers.s3.objects import METADATA_CRC_KEY, crc32c_to_b64
 from app.tiers.s3.readiness import check_ready, ensure_bucket
-from app.tiers.s3.signed_get import FIRST_READ_BYTES
 from app.tiers.s3.transfers import put_file
 from testkit.fault_proxy import FaultProxy
 from testkit.ports import free_ports

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ from app.tiers.s3.client import S3Client
 from app.tiers.s3.errors import S3Unavailable
 from testkit.fault_proxy import FaultProxy
 from testkit.polling import wait_for
-from tests.s3.conftest import ServerFactory, StoreFactory, read_object, write_object
+from tests.s3.conftest import MiB, ServerFactory, StoreFactory, read_object, write_object
 from tests.s3.test_server_s3 import client_for, entry, metric, put, url
 
 pytestmark = pytest.mark.anyio
@@ -231,10 +232,17 @@ async def test_another_botocore_falls_back_to_boto3_calls(
 ) -> None:
     monkeypatch.setattr(botocore_adapter, "installed", lambda: "1.0.0")
     store = make_store(s3_endpoint_url=s3_proxy.url, s3_get_part_size=PART, s3_get_concurrency=3)
-    assert isinstance(store.signed_put, botocore_adapter.Boto3Put)
+    assert store.data_plane.layer == "boto3"
     key = f"{store.prefix}/fallback.safetensors"
     data = _data(3 * PART + 5, seed=7)
     await write_object(store, key, data, crc32c=crc(data))  # put_object
+    large = os.urandom(2 * 5 * MiB + 3)  # above the 8 MiB threshold: upload_part
+    await write_object(store, key + "-parts", large, crc32c=crc(large))
+    parts = s3_proxy.count("PUT", "partNumber=")
+    assert parts == 3 and s3_proxy.count("PUT") == 1 + parts
+    agents = [h.get("User-Agent", "") for h in s3_proxy.headers_of("PUT")]
+    assert all("Boto3" in agent for agent in agents)
+    assert await read_object(store, key + "-parts") == large
     s3_proxy.reset()
     download = await store.open(key)
     assert download is not None and download.info.crc32c == crc(data)
@@ -255,8 +263,9 @@ async def test_behind_a_proxy_parts_go_through_it(
     await write_object(writer, key, data, crc32c=crc(data))
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HTTP_PROXY", s3_proxy.url)  # signed_get, on botocore's transport
+    monkeypatch.setenv("HTTP_PROXY", s3_proxy.url)  # signed_http, on botocore's transport
     store = make_store(s3_get_part_size=PART, s3_get_concurrency=3)
+    assert store.data_plane.layer == "botocore"
     s3_proxy.reset()
     assert await read_object(store, key) == data
     assert s3_proxy.count("GET", key) == 4  # each part through the proxy

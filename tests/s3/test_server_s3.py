@@ -14,6 +14,7 @@ import uuid
 
 import httpx
 
+from app.tiers.s3.signing import USER_AGENT
 from testkit.entries import body, crc_hex
 from testkit.fault_proxy import FaultProxy
 from testkit.polling import wait_for
@@ -177,6 +178,7 @@ def test_objects_written_by_other_tools(
     assert resp.headers["X-EC-Tier"] == "s3"
     ranged = [p for m, p in s3_proxy.snapshot() if m == "GET"]
     assert len(ranged) == 1  # the header, by a ranged GET (checked: not the whole body)
+    assert s3_proxy.headers_of("GET")[0]["User-Agent"] == USER_AGENT  # the data plane's
     assert int(metric(b, "ec_s3_bytes_total", direction="down")) < 70_000
     got = b.get(url("foreign-crc"))
     assert got.content == with_crc and got.headers["X-EC-CRC32C"] == crc_hex(with_crc)

@@ -10,7 +10,7 @@ from tests.unit.test_dependencies import locked
 
 def test_adapter_version_is_the_locked_one() -> None:
     """`make lock` moved botocore: check the S3 data plane's modules (signing,
-    http_session, signed_get, signed_put, loop_get) against it, then update LOCKED."""
+    http_session, signed_http, loop_get) against it, then update LOCKED."""
     assert Version(LOCKED) == locked()["botocore"]
 
 

@@ -17,7 +17,7 @@ from botocore.config import Config
 from botocore.credentials import Credentials
 
 from app.tiers.s3.http_session import s3_transport
-from app.tiers.s3.signing import Signer
+from app.tiers.s3.signing import USER_AGENT, Signer
 
 #: Endpoints and the Host header each is reached with.
 ENDPOINTS = [
@@ -56,6 +56,7 @@ def test_get_is_signed_as_botocore_signs_it(endpoint: str, host: str, token: str
             expected = botocore_signed(endpoint, key, credentials)
         ours = {name.lower(): value for name, value in signed.headers.items()}
         assert ours.pop("host") == host
+        assert ours.pop("user-agent") == USER_AGENT  # not signed, as botocore leaves it
         assert ours == {name.lower(): value for name, value in expected.headers.items()}
         assert signed.url == expected.url
         assert expected.url.endswith(signed.path)
@@ -99,3 +100,20 @@ def test_transport_takes_the_clients_settings(monkeypatch: pytest.MonkeyPatch) -
     transport = s3_transport("https://s3.example.com", "/etc/ca.pem", CONFIG)
     assert transport.verify == "/etc/ca.pem"
     assert transport.endpoint == "https://s3.example.com"
+
+
+def test_a_part_upload_is_signed_as_botocore_signs_it() -> None:
+    """``UploadPart``'s query (part number, upload id) is in the URL and the signature."""
+    credentials = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
+    transport = s3_transport("http://127.0.0.1:9000", True, CONFIG)
+    signer = Signer(transport, "bucket", "eu-west-3", CONFIG, credentials)
+    query = "partNumber=2&uploadId=a%2Bb%2Fc"
+    headers = {"Content-Length": "4", "x-amz-checksum-crc32c": "AAAAAA=="}
+    with mock.patch("botocore.auth.get_current_datetime", return_value=AT):
+        signed = signer.put(KEYS[1], headers, b"body", query)
+        url = f"http://127.0.0.1:9000/bucket/{quote(KEYS[1], safe='/~')}?{query}"
+        expected = AWSRequest(method="PUT", url=url, headers=headers, data=b"body")
+        expected.context["client_config"] = CONFIG
+        S3SigV4Auth(credentials.get_frozen_credentials(), "s3", "eu-west-3").add_auth(expected)
+    assert signed.url == url and signed.path.endswith(f"?{query}")
+    assert signed.headers["Authorization"] == expected.headers["Authorization"]

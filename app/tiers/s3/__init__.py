@@ -9,14 +9,15 @@
   failures, and botocore's "standard" retry policy (``app.retries`` retries);
 * ``objects``: what S3 says about an object (size, CRC32C, metadata), parsed;
 * ``download``: an open GET, its body read in chunks;
-* ``botocore_adapter``: the one door to botocore's internals; the data plane (GETs,
-  single PUTs) on the locked botocore, else plain boto3 calls;
-* ``get_transport``: which transport the read path's GET takes;
+* ``data_plane``: :class:`S3DataPlane`, the one way GETs, ranged GETs, PUTs and part
+  uploads reach S3, its HTTP layer chosen once (boto3 keeps the control plane);
+* ``botocore_adapter``: the one door to botocore's internals and the check of its
+  version (another botocore: the data plane is plain boto3 calls);
 * ``ranged_get``: a large object's GET as concurrent ranged GETs, handed on in order;
-* ``loop_get``: the read path's GET, read on the event loop;
-* ``signed_get``: the same GET on botocore's transport, for an endpoint behind a proxy;
-* ``signed_put``: the single-part upload, without boto3's per-call pipeline;
-* ``http_session``: the transport of the tier's own requests, made as boto3's is;
+* ``loop_get``: the data plane's GET read on the event loop (no proxy);
+* ``signed_http``: the data plane's requests on botocore's pool: uploads, and GETs
+  behind a proxy;
+* ``http_session``: the transport of the data plane's requests, made as boto3's is;
 * ``signing``: SigV4 of those requests (botocore's ``S3SigV4Auth``);
 * ``transfers``: single, multipart and streaming uploads with CRC32C checks;
 * ``readiness``: bucket creation and the operator's diagnosis for ``/readyz``.

@@ -5,11 +5,11 @@ boto3 is synchronous; every call runs on a dedicated thread pool (sized like the
 connection pool) so the event loop never blocks. :meth:`S3Client.call` is the one way a
 call is made: it counts and times it, maps its failure onto :class:`S3Error` /
 :class:`S3Unavailable` (``errors``), opens or closes the breaker (``breaker``) and
-answers ``None`` for a missing object where the caller allows it. Every call is a boto3
-call except two that skip boto3's per-call pipeline: the read path's GET (:meth:`open`,
-on the transport ``get_transport`` picks, its body an ``S3Download``), and the
-single-part upload (``signed_put``). ``http_session`` makes their connection pool as
-botocore makes the boto3 client's; ``signing`` signs for them.
+answers ``None`` for a missing object where the caller allows it. The control plane
+(HEAD, list, delete, multipart create/complete/abort) is boto3 calls; the data plane
+(the read path's GET, :meth:`open`, its body an ``S3Download``; the ranged GET of
+:meth:`get_range`; single PUTs and part uploads, ``transfers``) goes through
+:attr:`S3Client.data_plane` (``data_plane``).
 
 Everything here speaks object keys (described by ``objects``); ``backend`` maps entries
 onto them, ``transfers`` uploads, ``readiness`` diagnoses.
@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry
 
 from app.metrics import S3Metrics
 from app.settings import Settings
-from app.tiers.s3.botocore_adapter import data_plane
 from app.tiers.s3.breaker import CircuitBreaker
+from app.tiers.s3.data_plane import S3DataPlane, data_plane
 from app.tiers.s3.download import ObjectBody, S3Download
 from app.tiers.s3.errors import (
     S3Error,
@@ -41,7 +41,7 @@ from app.tiers.s3.errors import (
     map_error,
     outage_reason,
 )
-from app.tiers.s3.objects import ObjectInfo, info_from_headers, info_from_response
+from app.tiers.s3.objects import ByteSpan, ObjectInfo, info_from_headers, info_from_response
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,9 @@ class S3Client:
                 **common,
             ),
         )
-        plane = data_plane(
+        #: GETs, single PUTs and part uploads (``transfers``); a streaming upload's body
+        #: gets one attempt.
+        self.data_plane: S3DataPlane = data_plane(
             self.client,
             self.client.meta.endpoint_url,
             self.bucket,
@@ -138,12 +140,6 @@ class S3Client:
             session.get_credentials(),
             self.executor,
         )
-        #: The read path's GET (``open``).
-        self._get = plane.get
-        #: Every single-part upload (``transfers``): boto3's request, without its per-call
-        #: pipeline on the locked botocore. A streaming upload's body gets one attempt.
-        self.signed_put = plane.put
-        self._plane = plane
 
     def _check_breaker(self, operation: str) -> None:
         refused = self.breaker.refusal(operation)
@@ -249,7 +245,7 @@ class S3Client:
         """Start a GET: ``None`` when the object does not exist, else an open download
         whose headers (size, CRC32C) are known and whose body is still on the wire."""
         answer: tuple[Mapping[str, str], ObjectBody] | None = await self._call_on_loop(
-            "get", lambda: self._get.open(key), not_found_ok=True
+            "get", lambda: self.data_plane.get(key), not_found_ok=True
         )
         if answer is None:
             return None
@@ -260,19 +256,18 @@ class S3Client:
         """``length`` bytes from ``start`` (fewer at the end of the object), or ``None``
         when the object does not exist. For reading a body's header without the body."""
 
-        def _get() -> bytes:
-            resp = self.client.get_object(
-                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
-            )
-            body = resp["Body"]
+        async def _get() -> bytes:
+            _, body = await self.data_plane.get_span(key, ByteSpan(start, start + length))
+            data = bytearray()
             try:
-                data: bytes = body.read()
+                while chunk := await body.read():
+                    data += chunk
             finally:
-                body.close()
+                await body.aclose()
             self.metrics.bytes_down.inc(len(data))
-            return data
+            return bytes(data)
 
-        return await self.call("get_range", _get, not_found_ok=True)
+        return await self._call_on_loop("get_range", _get, not_found_ok=True)
 
     async def delete(self, key: str) -> None:
         """Remove an object; absent objects are fine."""
@@ -338,7 +333,7 @@ class S3Client:
     def shutdown(self) -> None:
         """Synchronous :meth:`close` (for code outside an event loop)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
-        self._plane.close()
+        self.data_plane.close()
         for client in (self.client, self.probe_client):
             try:
                 client.close()

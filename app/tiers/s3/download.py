@@ -1,9 +1,9 @@
 """An open S3 GET: the object's description known, its body still on the wire.
 
-The body comes from either transport of the read path (``get_transport``) and is read
-in chunks, never buffered whole. A connection that breaks mid-body, or a body shorter
-than announced, is an :class:`S3Unavailable` (and opens the breaker): the body is then
-incomplete and must not be used.
+The body comes from the data plane's GET (``data_plane``) and is read in chunks, never
+buffered whole. A connection that breaks mid-body, or a body shorter than announced, is
+an :class:`S3Unavailable` (and opens the breaker): the body is then incomplete and must
+not be used.
 """
 
 from __future__ import annotations
@@ -17,9 +17,19 @@ from app.tiers.s3.breaker import CircuitBreaker
 from app.tiers.s3.errors import S3Unavailable, map_error
 from app.tiers.s3.objects import ObjectInfo
 
+#: The first chunk of a GET body: small, so the safetensors header (and with it a
+#: read-through's answer) is known after one round trip. Chunks then grow x8 up to
+#: ``EC_S3_GET_CHUNK_SIZE``.
+FIRST_READ_BYTES = 64 * 1024
+#: Chunks a download reads ahead of its consumer at most.
+READ_AHEAD = 2
+#: The answers whose body is the object's: whole (200) or the span asked for (206).
+OK = (200, 206)
+
 
 class ObjectBody(Protocol):
-    """The body of an open GET, from either transport (``loop_get``, ``signed_get``)."""
+    """The body of an open GET, from any of the data plane's HTTP layers (``loop_get``,
+    ``signed_http``, ``data_plane.Boto3Http``)."""
 
     async def read(self) -> Chunk:
         """The next chunk; ``b""`` at the end. Raises the transport's exceptions."""

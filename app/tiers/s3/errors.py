@@ -119,7 +119,7 @@ def map_error(exc: BaseException, operation: str, retry_after: float = 1.0) -> S
         | bce.HTTPClientError
         | bce.ResponseStreamingError
         | bce.IncompleteReadError
-        | urllib3.exceptions.HTTPError  # a body read straight from urllib3 (signed_get)
+        | urllib3.exceptions.HTTPError  # a body read straight from urllib3 (signed_http)
         | ConnectionError
         | TimeoutError,
     ):
@@ -155,8 +155,8 @@ MAX_BACKOFF = 20.0
 
 def standard_retries(max_attempts: int) -> RetryPolicy:
     """botocore's "standard" retry mode up to ``max_attempts``, as an
-    ``app.retries`` policy (for the transports that skip boto3's pipeline and its
-    retries: ``loop_get``, ``signed_get``, ``signed_put``): a failure ``map_error``
+    ``app.retries`` policy (for the data plane's layers that skip boto3's pipeline and
+    its retries: ``loop_get``, ``signed_http``): a failure ``map_error``
     calls unavailable (connection errors, 5xx, throttling) is retried after a random
     part of the backoff, a longer one for throttling; any other is not."""
 
@@ -173,7 +173,7 @@ def client_error(
     status: int, headers: Mapping[str, str], document: bytes, operation: str
 ) -> bce.ClientError:
     """The ``ClientError`` boto3 raises for this error answer to ``operation`` (the
-    transports that skip boto3's pipeline: ``loop_get``, ``signed_get``, ``signed_put``)."""
+    data plane's layers that skip boto3's pipeline: ``loop_get``, ``signed_http``)."""
     code, message = str(status), ""
     try:
         root = ET.fromstring(document)

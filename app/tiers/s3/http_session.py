@@ -1,5 +1,5 @@
-"""The transport of the S3 tier's own requests (``signed_get``, ``signed_put``,
-``loop_get``): botocore's public ``URLLib3Session``, made as botocore makes the boto3
+"""The transport of the data plane's own requests (``signed_http``; ``loop_get`` takes
+its endpoint, TLS and timeouts): botocore's public ``URLLib3Session``, made as botocore makes the boto3
 client's, from the same settings.
 
 botocore keeps its client's session on a private attribute (``client._endpoint``), and

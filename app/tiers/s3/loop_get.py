@@ -1,7 +1,7 @@
 """The read path's GET on the event loop: S3's answer is read where it is consumed.
 
 A read-through GET relays S3's body to its client as it arrives. Read through botocore's
-transport (``signed_get``), each GET crosses to a pool thread and back, spends about 1 ms
+transport (``signed_http``), each GET crosses to a pool thread and back, spends about 1 ms
 of urllib3 and http.client Python, and every chunk wakes the loop from that thread. Here
 the request is written and the answer read on the event loop itself: httptools (llhttp,
 the parser uvicorn uses) parses its head, and the body is received straight into the
@@ -10,12 +10,13 @@ chunks the consumer gets, with no thread and no copy in between.
 What it shares with the boto3 client: the SigV4 signature (``signing.Signer``), the
 endpoint and TLS verification (``http_session.S3Transport``), the connect and read
 timeouts, and ``EC_S3_MAX_POOL_CONNECTIONS`` as the number of idle connections kept
-alive for reuse. An endpoint reached through a proxy is read with ``signed_get`` instead
-(``get_transport`` decides).
+alive for reuse. It is the data plane's GET (``data_plane``) wherever no proxy stands
+between the server and the endpoint; behind one, GETs go on botocore's transport
+(``signed_http``) with the uploads.
 
 Failures are those ``errors.map_error`` knows: ``ConnectionError`` (refused, reset,
 closed early, TLS), ``TimeoutError`` (connect, or no byte for the read timeout), and
-``ClientError`` for an error answer. Failed attempts are retried like ``signed_get``'s,
+``ClientError`` for an error answer. Failed attempts are retried like ``signed_http``'s,
 and a kept-alive connection that S3 closed before answering is replaced at once.
 """
 
@@ -34,10 +35,10 @@ from botocore.config import Config
 from app.retries import retried_async
 from app.tiers.base import Chunk
 from app.tiers.s3.botocore_adapter import get_cert_path
+from app.tiers.s3.download import FIRST_READ_BYTES, OK, READ_AHEAD
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.http_session import S3Transport
 from app.tiers.s3.objects import ByteSpan
-from app.tiers.s3.signed_get import FIRST_READ_BYTES, OK, READ_AHEAD
 from app.tiers.s3.signing import Signer
 
 #: The buffer an answer's head is received into (and parsed from).
@@ -354,7 +355,7 @@ class LoopGet:
         signed = self._signer.get(key, span, if_match)
         lines = [f"GET {signed.path} HTTP/1.1"]
         lines += [f"{name}: {value}" for name, value in signed.headers.items()]
-        request = ("\r\n".join(lines) + "\r\nUser-Agent: ec-cache\r\n\r\n").encode("latin-1")
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         want = min(FIRST_READ_BYTES, self._chunk_size)
         connection = self._take_idle()
         reused = connection is not None

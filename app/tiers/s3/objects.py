@@ -71,7 +71,7 @@ def _parse_crc(metadata: Mapping[str, str], checksum: str | None) -> int | None:
 
 def info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:
     """:func:`info_from_response` for the raw headers of a GET (``loop_get``,
-    ``signed_get``)."""
+    ``signed_http``)."""
     lowered = ((name.lower(), value) for name, value in headers.items())
     metadata = {
         name[len(METADATA_HEADER) :]: value

@@ -49,7 +49,8 @@ from app.tiers.s3.objects import METADATA_CRC_KEY, METADATA_HEADER, ByteSpan
 
 
 class SpanGet(Protocol):
-    """A transport's GET (``loop_get``, ``signed_get``): open retried, body unread."""
+    """A data plane layer's GET (``loop_get``, ``signed_http``, ``data_plane.Boto3Http``):
+    open retried, body unread."""
 
     async def open(
         self, key: str, span: ByteSpan | None = None, if_match: str | None = None

@@ -1,7 +1,8 @@
-"""SigV4 for the S3 tier's own requests (``loop_get``, ``signed_get``, ``signed_put``):
-botocore's ``S3SigV4Auth``, with the session's credentials frozen per request (so
-refreshable ones refresh as they do in boto3). Path-style URLs only
-(``client.ADDRESSING_STYLE``)."""
+"""SigV4 for the data plane's own requests (``loop_get``, ``signed_http``): botocore's
+``S3SigV4Auth``, with the session's credentials frozen per request (so refreshable ones
+refresh as they do in boto3). Path-style URLs only (``client.ADDRESSING_STYLE``). Every
+request carries ``USER_AGENT`` (unsigned, as botocore leaves it), which tells the data
+plane's requests from boto3's in a proxy's log."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from botocore.credentials import Credentials
 from app.tiers.s3.botocore_adapter import AWSRequest, S3SigV4Auth
 from app.tiers.s3.http_session import S3Transport
 from app.tiers.s3.objects import ByteSpan
+
+#: The ``User-Agent`` of the data plane's requests.
+USER_AGENT = "ec-cache"
 
 
 @dataclass(frozen=True)
@@ -62,16 +66,26 @@ class Signer:
             headers["If-Match"] = if_match
         return self._sign("GET", key, headers, None, upload=False)
 
-    def put(self, key: str, headers: Mapping[str, str], body: Any) -> SignedRequest:
-        """The signed PUT of ``body`` as ``key`` with ``headers``."""
-        return self._sign("PUT", key, headers, body, upload=True)
+    def put(
+        self, key: str, headers: Mapping[str, str], body: Any, query: str = ""
+    ) -> SignedRequest:
+        """The signed PUT of ``body`` as ``key`` with ``headers``; ``query`` (encoded,
+        without ``?``) names a part of a multipart upload."""
+        return self._sign("PUT", key, headers, body, upload=True, query=query)
 
     def _sign(
-        self, method: str, key: str, headers: Mapping[str, str], body: Any, *, upload: bool
+        self,
+        method: str,
+        key: str,
+        headers: Mapping[str, str],
+        body: Any,
+        *,
+        upload: bool,
+        query: str = "",
     ) -> SignedRequest:
         if self._credentials is None:
             raise bce.NoCredentialsError()
-        quoted = quote(key, safe="/~")
+        quoted = quote(key, safe="/~") + (f"?{query}" if query else "")
         request = AWSRequest(
             method=method,
             url=self._base + quoted,
@@ -83,4 +97,6 @@ class Signer:
         S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(
             request
         )
-        return SignedRequest(request.url, self._base_path + quoted, dict(request.headers.items()))
+        signed = dict(request.headers.items())
+        signed["User-Agent"] = USER_AGENT
+        return SignedRequest(request.url, self._base_path + quoted, signed)

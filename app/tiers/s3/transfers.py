@@ -99,7 +99,7 @@ def _put_object(
     metadata: Mapping[str, str] | None,
     if_absent: bool,
 ) -> None:
-    s3.signed_put.put(
+    s3.data_plane.put(
         key,
         body,
         size,
@@ -403,18 +403,11 @@ async def _put_multipart(
             if len(data) != length:
                 raise S3Error(f"local file {path} shrank while uploading {key}")
             part_crc = crc32c_of(data)
-            r = s3.client.upload_part(
-                Bucket=s3.bucket,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=index + 1,
-                Body=data,
-                ContentLength=length,
-                ChecksumAlgorithm="CRC32C",
-                ChecksumCRC32C=crc32c_to_b64(part_crc),
+            etag = s3.data_plane.upload_part(
+                key, upload_id, index + 1, data, crc32c_to_b64(part_crc)
             )
             s3.metrics.bytes_up.inc(length)
-            return str(r["ETag"]), part_crc, length
+            return etag, part_crc, length
 
         async def _one(index: int, offset: int) -> None:
             async with semaphore:

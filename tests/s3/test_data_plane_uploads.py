@@ -1,5 +1,7 @@
-"""The single-part upload without boto3's pipeline (``app.tiers.s3.signed_put``) against
-the real S3 endpoint: the request is the one ``put_object`` sends, keys that need
+"""The data plane's uploads (``app.tiers.s3.data_plane``: ``PutObject`` and
+``UploadPart`` on ``signed_http``, without boto3's pipeline) against the real S3
+endpoint: the request is the one ``put_object`` sends, PUTs and part uploads go through
+the one transport and boto3 only makes the control plane's calls, keys that need
 percent-encoding read back, failures are retried (the body sent again from its start)
 as boto3 retries them, and a body that cannot be rewound gets one attempt."""
 
@@ -15,6 +17,7 @@ import pytest
 from app.checksum import crc32c as crc
 from app.tiers.s3.errors import S3Error, S3Unavailable
 from app.tiers.s3.objects import crc32c_to_b64
+from app.tiers.s3.signing import USER_AGENT
 from app.tiers.s3.transfers import object_metadata, put_file
 from testkit.fault_proxy import FaultProxy
 from testkit.s3 import S3Endpoint
@@ -38,7 +41,7 @@ async def test_the_request_is_the_one_put_object_sends(
     key = f"{store.prefix}/same-request.safetensors"
     metadata = object_metadata(crc(data), {"Origin": "test"})
 
-    store.signed_put.put(
+    store.data_plane.put(
         key,
         io.BytesIO(data),
         len(data),
@@ -46,7 +49,7 @@ async def test_the_request_is_the_one_put_object_sends(
         checksum_crc32c=crc32c_to_b64(crc(data)),
         metadata=metadata,
     )
-    store.client.put_object(  # what transfers sent before signed_put, same client
+    store.client.put_object(  # what transfers sent before the data plane, same client
         Bucket=s3_endpoint.bucket,
         Key=key,
         Body=data,
@@ -66,6 +69,43 @@ async def test_the_request_is_the_one_put_object_sends(
     await write_object(store, key, small, crc32c=crc(small))
     assert "Expect" not in s3_proxy.headers_of("PUT")[-1]
     assert await read_object(store, key) == small
+
+
+def _requests(proxy: FaultProxy) -> list[tuple[str, str, str]]:
+    """``(method, target, User-Agent)`` of every request the proxy saw, in order."""
+    agents = {m: iter(proxy.headers_of(m)) for m in ("GET", "PUT", "POST", "HEAD", "DELETE")}
+    return [
+        (method, target, next(agents[method]).get("User-Agent", ""))
+        for method, target in proxy.snapshot()
+    ]
+
+
+async def test_puts_and_part_uploads_go_through_the_one_transport(
+    make_store: StoreFactory, s3_proxy: FaultProxy, tmp_file: Callable[[bytes], Path]
+) -> None:
+    """Every PutObject, UploadPart and GET is the data plane's own request (its
+    ``User-Agent``), on one connection pool; boto3 makes only the control plane's calls
+    (the multipart upload's create and complete)."""
+    store = make_store(s3_endpoint_url=s3_proxy.url, s3_multipart_concurrency=1)
+    assert store.data_plane.layer == "loop"
+    single, multi = os.urandom(MiB + 1), os.urandom(2 * 5 * MiB + 7)  # threshold 8 MiB
+    await put_file(
+        store, f"{store.prefix}/single.safetensors", tmp_file(single), crc32c=crc(single)
+    )
+    await put_file(store, f"{store.prefix}/multi.safetensors", tmp_file(multi), crc32c=crc(multi))
+    # The parts, one at a time, reused the single PUT's kept-alive connection: one pool
+    # for the data plane's uploads, one for boto3's calls.
+    assert s3_proxy.connections == 2
+    assert await read_object(store, f"{store.prefix}/multi.safetensors") == multi
+    seen = _requests(s3_proxy)
+    ours = [(method, target) for method, target, agent in seen if agent == USER_AGENT]
+    boto3s = [(method, target) for method, target, agent in seen if agent != USER_AGENT]
+    parts = [target for method, target in ours if method == "PUT" and "partNumber=" in target]
+    assert len(parts) == 3 and all("uploadId=" in target for target in parts)
+    assert [m for m, _ in ours].count("PUT") == 1 + 3  # the single PUT and the 3 parts
+    assert [m for m, _ in ours].count("GET") >= 1
+    assert all(method == "POST" for method, _ in boto3s), boto3s  # create, complete
+    assert len(boto3s) == 2 and all("Boto3" in agent for _, _, agent in seen if agent != USER_AGENT)
 
 
 async def test_keys_that_need_percent_encoding_read_back(
@@ -148,7 +188,7 @@ async def test_a_body_that_cannot_be_rewound_gets_one_attempt(
     with pytest.raises(S3Unavailable, match="SlowDown"):
         await store.call(
             "put",
-            lambda: store.signed_put.put(
+            lambda: store.data_plane.put(
                 f"{store.prefix}/one-way.safetensors",
                 OneWay(data),
                 len(data),
@@ -180,10 +220,14 @@ async def test_uploads_go_through_a_proxy(
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", s3_proxy.url)
-    store = make_store()  # boto3's transport picks the proxy up, as for every call
-    data = os.urandom(2 * MiB + 3)
+    store = make_store()  # botocore's transport picks the proxy up, as boto3's does
+    assert store.data_plane.layer == "botocore"
+    data, large = os.urandom(2 * MiB + 3), os.urandom(2 * 5 * MiB + 1)
     key = f"{store.prefix}/proxied.safetensors"
     await put_file(store, key, tmp_file(data), crc32c=crc(data))
     assert len(s3_proxy.headers_of("PUT")) == 1  # the front saw the PUT, as a proxy
+    await put_file(store, key + "-parts", tmp_file(large), crc32c=crc(large))
+    assert s3_proxy.count("PUT", "partNumber=") == 3  # and each part
     monkeypatch.delenv("HTTP_PROXY")
     assert await read_object(make_store(), key) == data
+    assert await read_object(make_store(), key + "-parts") == large

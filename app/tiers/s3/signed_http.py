@@ -1,25 +1,32 @@
-"""The read path's GET on botocore's transport: one SigV4-signed request on a botocore
-connection pool, its body read on the S3 thread pool. It reads where the endpoint is
-reached through a proxy (``get_transport``); everywhere else ``loop_get`` reads on the
-event loop.
+"""The S3 data plane's requests on botocore's transport: SigV4-signed GETs, PUTs and
+part uploads (``UploadPart``) on one botocore connection pool, GET bodies read on the S3
+thread pool. ``data_plane`` sends every PUT and part upload here, and GETs too where
+the endpoint is reached through a proxy (elsewhere ``loop_get`` reads on the event
+loop).
 
-A read-through GET waits for S3's first byte before it can answer, so everything spent
-before that byte is paid by the client. boto3's ``get_object`` spends about 1 ms of CPU
-per call on its request pipeline (parameter validation, endpoint rules, event hooks,
-response parsing), as much as the whole request costs S3 for a small object. This GET
-keeps what matters from botocore and drops the rest:
+boto3 spends about 1 ms of CPU per call on its request pipeline (parameter validation,
+endpoint rules, event hooks, response parsing), as much as the whole request costs S3
+for a small object; measured per 4.7 MB upload of a cached file, 3.6 ms of process CPU
+through ``put_object`` against 2.8 ms through this. These requests keep what matters
+from botocore and drop the rest:
 
-* signing: ``signing.Signer`` (botocore's ``S3SigV4Auth``), shared with ``loop_get``;
+* the request is the one boto3 sends (same headers, checksum and metadata), signed by
+  ``signing.Signer`` (botocore's ``S3SigV4Auth``; payload signing off:
+  ``UNSIGNED-PAYLOAD``; the CRC32C header, which S3 verifies, is signed). One
+  difference: boto3 asks for ``100 Continue`` before every body, these only before one
+  above ``EXPECT_CONTINUE_ABOVE``, where not sending a refused body is worth a round
+  trip;
 * transport: ``http_session``'s ``URLLib3Session``, made as the boto3 client's is (TLS
-  verification and CA bundle, proxies, timeouts, pool size, keep-alive as configured),
-  so its exceptions are botocore's;
-* errors: a non-200 answer becomes a botocore ``ClientError`` (code and message from
-  S3's XML error document), so ``errors.map_error`` maps it like any boto3 failure;
+  verification and CA bundle, proxies, timeouts, pool size, keep-alive), so its
+  exceptions are botocore's;
+* errors: a non-2xx answer becomes the ``ClientError`` boto3 raises
+  (``errors.client_error``), so ``errors.map_error`` maps it like any boto3 failure;
 * retries: ``app.retries.retried`` with ``errors.standard_retries`` (botocore's
-  "standard" mode) up to ``EC_S3_MAX_ATTEMPTS``.
+  "standard" mode) up to ``max_attempts``, an upload's body rewound for each; a body
+  that cannot be rewound (a streaming upload's pipe) gets one attempt.
 
-Path-style addressing only (``client.ADDRESSING_STYLE``). The body is a urllib3 response
-read exactly as botocore's ``StreamingBody`` reads it, by one pool job per GET.
+Path-style addressing only (``client.ADDRESSING_STYLE``). A GET's body is a urllib3
+response read exactly as botocore's ``StreamingBody`` reads it, by one pool job per GET.
 """
 
 from __future__ import annotations
@@ -31,28 +38,27 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
+from urllib.parse import quote
 
 from app.retries import retried
 from app.tiers.s3.botocore_adapter import AWSRequest, URLLib3Session
+from app.tiers.s3.download import FIRST_READ_BYTES, OK, READ_AHEAD
 from app.tiers.s3.errors import ERROR_BODY_BYTES, client_error, standard_retries
 from app.tiers.s3.objects import ByteSpan
 from app.tiers.s3.signing import Signer
 
 log = logging.getLogger(__name__)
 
-#: The first chunk of a GET body: small, so the safetensors header (and with it a
-#: read-through's answer) is known after one round trip. Chunks then grow x8 up to
-#: ``EC_S3_GET_CHUNK_SIZE``.
-FIRST_READ_BYTES = 64 * 1024
-#: Chunks a download reads ahead of its consumer at most.
-READ_AHEAD = 2
-#: The answers whose body is the object's: whole (200) or the span asked for (206).
-OK = (200, 206)
+#: A body above this size waits for ``100 Continue`` (S3's go-ahead after checking the
+#: signature and the request) before it is sent, so a refused upload is not sent whole.
+EXPECT_CONTINUE_ABOVE = 1024 * 1024
 
 
-class SignedGet:
-    """GETs signed by ``signer``, sent on ``http`` (a botocore ``URLLib3Session``), their
-    bodies read on ``executor`` in chunks of up to ``chunk_size`` bytes."""
+class SignedHttp:
+    """Requests signed by ``signer``, sent on ``http`` (a botocore ``URLLib3Session``),
+    retried up to ``max_attempts``; GET bodies read on ``executor`` in chunks of up to
+    ``chunk_size`` bytes. ``put`` and ``upload_part`` block: call them on the S3 thread
+    pool."""
 
     def __init__(
         self,
@@ -65,8 +71,11 @@ class SignedGet:
         self._http = http
         self._signer = signer
         self._retries = standard_retries(max_attempts)
+        self._no_retries = standard_retries(1)
         self._executor = executor
         self._chunk_size = chunk_size
+
+    # -- GET ------------------------------------------------------------------------
 
     async def open(
         self, key: str, span: ByteSpan | None = None, if_match: str | None = None
@@ -110,9 +119,88 @@ class SignedGet:
             raw.close()
         raise client_error(response.status_code, response.headers, document, "GetObject")
 
+    # -- uploads --------------------------------------------------------------------
+
+    def put(
+        self,
+        key: str,
+        body: Any,
+        size: int,
+        *,
+        content_type: str,
+        checksum_crc32c: str,
+        metadata: Mapping[str, str],
+        if_absent: bool = False,
+    ) -> None:
+        """``PutObject``: ``size`` bytes of ``body`` as ``key``; a file-like object
+        (``read``, ``seekable``; when seekable, ``tell`` and ``seek`` rewind it for a
+        retry). ``if_absent``: only if the key has no object (``If-None-Match: *``; S3
+        answers 412 otherwise). Raises botocore's exceptions, as ``put_object`` would."""
+        headers = {
+            "Content-Type": content_type,
+            **{f"x-amz-meta-{name}": value for name, value in metadata.items()},
+        }
+        if if_absent:
+            headers["If-None-Match"] = "*"
+        self._upload("PutObject", key, "", headers, body, size, checksum_crc32c)
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, body: bytes, checksum_crc32c: str
+    ) -> str:
+        """``UploadPart``: ``body`` as part ``number`` of the multipart upload
+        ``upload_id`` of ``key``; its ETag. Raises botocore's exceptions, as
+        ``upload_part`` would."""
+        query = f"partNumber={number}&uploadId={quote(upload_id, safe='')}"
+        answer = self._upload("UploadPart", key, query, {}, body, len(body), checksum_crc32c)
+        return answer["etag"]
+
+    def _upload(
+        self,
+        operation: str,
+        key: str,
+        query: str,
+        headers: Mapping[str, str],
+        body: Any,
+        size: int,
+        checksum_crc32c: str,
+    ) -> Mapping[str, str]:
+        """One upload request, retried; the answer's headers."""
+        headers = {
+            "Content-Length": str(size),
+            "x-amz-sdk-checksum-algorithm": "CRC32C",
+            "x-amz-checksum-crc32c": checksum_crc32c,
+            **headers,
+        }
+        if size > EXPECT_CONTINUE_ABOVE:
+            headers["Expect"] = "100-continue"
+        if isinstance(body, bytes):  # sent whole by each attempt
+            return retried(
+                lambda: self._upload_once(operation, key, query, headers, body), self._retries
+            )
+        rewindable = body.seekable()
+        start = body.tell() if rewindable else 0
+        return retried(
+            lambda: self._upload_once(operation, key, query, headers, body),
+            self._retries if rewindable else self._no_retries,
+            lambda: body.seek(start),
+        )
+
+    def _upload_once(
+        self, operation: str, key: str, query: str, headers: Mapping[str, str], body: Any
+    ) -> Mapping[str, str]:
+        signed = self._signer.put(key, headers, body, query)
+        request = AWSRequest(method="PUT", url=signed.url, headers=signed.headers, data=body)
+        # Read whole (an answer to a PUT is empty, or a short error document), so the
+        # connection goes back to the pool.
+        response = self._http.send(request.prepare())
+        if response.status_code >= 300:
+            document = response.content[:ERROR_BODY_BYTES]
+            raise client_error(response.status_code, response.headers, document, operation)
+        return {k.lower(): v for k, v in response.headers.items()}
+
 
 class ThreadedBody:
-    """The body of a :class:`SignedGet`: one pool job reads it (``READ_AHEAD`` chunks
+    """The body of a :class:`SignedHttp` GET: one pool job reads it (``READ_AHEAD`` chunks
     ahead of the consumer at most) and hands each chunk to the event loop as it arrives,
     one wake-up of the loop per chunk instead of a job submitted per chunk."""
 
