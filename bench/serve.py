@@ -620,7 +620,7 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
             "vLLM's own benchmark client (`vllm bench serve --dataset-name random-mm`) against "
             f"vLLM's OpenAI server on a {f'{cpus}-core ' if cpus else ''}CPU machine, with a "
             f"random-weight Qwen2-VL whose vision encoder takes {share['encoder_share']:.0%} of "
-            f"an image request's time to its first token there; {load['prompts']} requests with "
+            f"an image request's time to its first token there; {load['prompts']} requests a pass with "
             f"one {load['image_side']}x{load['image_side']} image each, "
             f"{load['concurrency']} in flight ([method](bench/README.md#serving), "
             "[all rows](bench/results/serve.md)):"
