@@ -545,8 +545,8 @@ CAVEATS = (
     "adds latency this row does not have.",
     "The `bench` model's vision tower was sized (testkit/qwen2vl.py) so that it is most "
     "of an image request's time, as real ones are of theirs; the share above is "
-    "measured, not assumed. With a small encoder the cache costs more than it saves "
-    "(serve-tiny.md).",
+    "measured, not assumed. serve-tiny.md has the same rows with the tests' tiny model, "
+    "whose encoder is a small share.",
     "The vLLM servers, vLLM's client, both cache replicas and SeaweedFS share the "
     "machine's cores: `cold`'s uploads and the cache's work take CPU from vLLM.",
 )
