@@ -1,12 +1,12 @@
 """The figures the docs cite are the figures their results JSON holds.
 
-Each case is one results JSON and the documents that quote it: the documents must equal
-what the bench's own renderer makes of the JSON (README.md's "What it saves" block,
-bench/results/serve*.md, claims-serve.md, the claims sentence of README.md, the
-engine-stall figures of docs/vllm.md), so a
-figure edited by hand, or a JSON replaced without rendering again
-(``python -m bench.serve --render``), fails here. Every JSON must say which commit, date
-and machine produced it. Nothing is run: this reads files.
+Each case is one set of results JSONs and the documents that quote them: the documents
+must equal what the bench's own renderer makes of the JSON (README.md's "What it saves"
+block, bench/results/serve*.md, claims-serve.md, the claims sentence of README.md, the
+engine-stall figures of docs/vllm.md), so a figure edited by hand, or a JSON replaced
+without rendering again (``python -m bench.serve --render``), fails here. Every JSON must
+say which commit, date and machine produced it. Nothing is run: this reads files. A new
+pair (e.g. break-even.json and its table) is one more entry in ``CASES``.
 """
 
 from __future__ import annotations
