@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from bench import put_scale, report, s3_paths, suite
+from bench import provenance, put_scale, report, s3_paths, suite
 from bench.lifecycle import unwind_on_sigterm
-from bench.services import Services, load_average
+from bench.services import Services
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS: dict[str, Callable[[Services, suite.Plan, Any], dict[str, Any]]] = {
@@ -71,13 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True)
 
     results: dict[str, Any] = {
-        "meta": {
-            "quick": plan.quick,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "loadavg_start": load_average(),
-            "machine": suite.machine(),
-            "sections": sections,
-        }
+        "meta": {"quick": plan.quick, **provenance.started(suite.machine()), "sections": sections}
     }
     root = Path(tempfile.mkdtemp(prefix="ec-bench-"))
     root.chmod(0o755)  # nginx workers run as an unprivileged user
@@ -90,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         services.close()
         shutil.rmtree(root, ignore_errors=True)
     results["targets"] = suite.targets(results) + s3_paths.targets(results)
-    results["meta"]["loadavg_end"] = load_average()
-    results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
+    provenance.finished(results["meta"], started)
     (out_dir / "latest.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / "latest.md").write_text(report.markdown(results) + s3_paths.markdown(results))
     plots = report.plots(results, out_dir)

@@ -24,9 +24,7 @@ number, the commit, date and machine) and ``break-even.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -38,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench import s3_link, s3_paths, suite
+from bench import provenance, s3_link, s3_paths, suite
 from bench.lifecycle import unwind_on_sigterm
 from bench.payloads import FULL_PAYLOADS, Payload
 from bench.services import Services
@@ -77,33 +75,6 @@ CITED: dict[str, dict[str, Any]] = {
         "caveat": "llama.cpp's CLIP on a laptop chip; no datacenter-GPU figure found",
     },
 }
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def provenance() -> dict[str, Any]:
-    """The checkout's commit (``dirty``: tracked files differ from it), the date and the
-    machine, as every results JSON's ``meta`` holds them."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    cpu = ""
-    with contextlib.suppress(OSError):
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), ""
-        )
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "machine": {**suite.machine(), "cpu": cpu, "memory_gib": round(memory, 1)},
-    }
 
 
 def time_encoders(reps: int, qwen_image: str, smoke: bool, work: Path) -> dict[str, Any]:
@@ -296,10 +267,10 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
+    started = time.monotonic()
     meta: dict[str, Any] = {
         "command": "python -m bench.break_even" + "".join(f" {a}" for a in args.argv),
-        **provenance(),
-        "loadavg_start": load_average(),
+        **provenance.started(suite.machine()),
     }
     log("encoders: building and timing (engine venv)")
     encoders = time_encoders(args.reps, args.qwen_image, args.smoke, work)
@@ -319,7 +290,7 @@ def run(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
         )
     finally:
         services.close()
-    meta["loadavg_end"] = load_average()
+    provenance.finished(meta, started)
     results: dict[str, Any] = {
         "meta": meta,
         "encoders": encoders,

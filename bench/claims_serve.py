@@ -12,7 +12,8 @@ seed of its own, so every pass meets images new to the cache.
 Per pass and pair: the items each engine's encoder computed (the connector's
 ``misses``, counted in vLLM's /metrics), per unique image; each engine's TTFT p50/p99
 and requests/s; the claim counters. Per pair: medians over the passes, with their
-range. Results: ``claims-serve.json`` and ``claims-serve.md`` in ``--out``; method in
+range; the run's commit, date and machine (``bench/provenance.py``). Results:
+``claims-serve.json`` and ``claims-serve.md`` in ``--out``; method in
 bench/README.md.
 """
 
@@ -24,12 +25,24 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench import provenance
 from bench.lifecycle import unwind_on_sigterm
-from bench.serve import FIGURES, Workload, bench_pass, delta, pass_figures, prometheus, serving
+from bench.serve import (
+    FIGURES,
+    Workload,
+    bench_pass,
+    delta,
+    engine_versions,
+    pass_figures,
+    prometheus,
+    serving,
+    spread,
+)
 from testkit.server import ServerProcess
 from testkit.vllm_engine import ENGINE_PYTHON, ROOT, build_model, connector_config
 
@@ -68,10 +81,6 @@ def one_pass(
             for result, counter in zip(results, counters, strict=True)
         ],
     }
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def summary(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -160,8 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    started = time.monotonic()
+    meta = provenance.started(provenance.machine(**engine_versions()))
     with tempfile.TemporaryDirectory(prefix="ec-bench-claims-") as tmp:
-        results = run(load, Path(tmp), log)
+        results = {"meta": meta, **run(load, Path(tmp), log)}
+    provenance.finished(meta, started)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "claims-serve" if load.profile == "bench" else f"claims-serve-{load.profile}"
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")

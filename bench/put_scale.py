@@ -33,8 +33,9 @@ import urllib3
 
 from app.checksum import crc32c, to_hex
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS
+from bench.provenance import load_average
 from bench.runner import concurrent
-from bench.services import Services, load_average, wait_upload_queue_empty
+from bench.services import Services, wait_upload_queue_empty
 from bench.stats import median, percentile, target_row
 
 NGINX = "nginx DAV PUT"

@@ -56,7 +56,8 @@ import urllib3
 from bench import s3_link
 from bench.contenders import ColdCycle, boto3_client, same_bits, tensor_from_safetensors_bytes
 from bench.payloads import DTYPE, FULL_PAYLOADS, MODEL, QUICK_PAYLOADS, Payload
-from bench.services import Services, http_json, load_average
+from bench.provenance import load_average
+from bench.services import Services, http_json
 from bench.stats import median, target_row
 from testkit.s3 import S3Endpoint, SeaweedFS, seaweedfs_endpoint
 from testkit.server import ServerProcess

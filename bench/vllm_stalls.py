@@ -15,7 +15,8 @@ takes. Two connector configurations, each in a fresh engine:
 ``--sdk PATH`` instead runs one engine with the connector's defaults and another
 checkout's ``client/`` first on its path (e.g. the code before the change, for a
 like-for-like "before"). Prints a table and writes ``bench/results/vllm-stalls.json``
-(``vllm-stalls-sdk.json`` with ``--sdk``; ``--out``). Timings are wall-clock on whatever else the machine runs: compare the
+(``vllm-stalls-sdk.json`` with ``--sdk``; ``--out``), with the run's commit, date and
+machine (``bench/provenance.py``). Timings are wall-clock on whatever else the machine runs: compare the
 columns of one run.
 """
 
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import provenance
 from bench.lifecycle import unwind_on_sigterm
+from bench.serve import engine_versions
 from testkit.fault_proxy import FaultProxy
 from testkit.server import ServerProcess
 from testkit.vllm_engine import (
@@ -73,6 +75,8 @@ def main() -> None:
         args.out = Path("bench/results") / name
     if not ENGINE_PYTHON.exists():
         raise SystemExit(f"{ENGINE_PYTHON} is missing: run scripts/setup-vllm-engine-venv.sh")
+    run_started = time.monotonic()
+    meta = provenance.started(provenance.machine(**engine_versions()))
     env = {"PYTHONPATH": f"{args.sdk.resolve()}:{Path.cwd()}"} if args.sdk else None
     configs = {"sdk": SETTINGS} if args.sdk else CONFIGS
     figures: dict[str, dict[str, float]] = {}
@@ -114,11 +118,10 @@ def main() -> None:
     args.out.write_text(
         json.dumps(
             {
+                "meta": provenance.finished(meta, run_started),
                 "figures": figures,
                 "configs": configs,
                 "sdk": str(args.sdk) if args.sdk else None,
-                "machine": {"node": platform.node(), "python": platform.python_version()},
-                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             },
             indent=2,
         )

