@@ -27,7 +27,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from bench import provenance, s3_link, s3_paths, suite
 from bench.lifecycle import unwind_on_sigterm
 from bench.payloads import FULL_PAYLOADS, Payload
 from bench.services import Services
-from testkit.vllm_engine import ENGINE_PYTHON, ROOT, engine_env
+from testkit.vllm_engine import ENGINE_PYTHON, ROOT, engine_module_json
 
 MB = 1_000_000
 DISK = s3_paths.SDK_DISK_GET
@@ -82,19 +81,7 @@ def time_encoders(reps: int, qwen_image: str, smoke: bool, work: Path) -> dict[s
     if not ENGINE_PYTHON.exists():
         raise SystemExit(f"{ENGINE_PYTHON} is missing: scripts/setup-vllm-engine-venv.sh makes it")
     args = ["--reps", str(reps), "--qwen-image", qwen_image] + (["--smoke"] if smoke else [])
-    done = subprocess.run(
-        [ENGINE_PYTHON, "-m", "bench.encoder_time", *args],
-        cwd=ROOT,
-        env=engine_env(work / "tmp-encoders"),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.encoder_time failed:\n{done.stderr[-4000:]}")
-    timed: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return timed
+    return engine_module_json("bench.encoder_time", args, work / "tmp-encoders", timeout=1800)
 
 
 def load_payloads(encoders: dict[str, Any], smoke: bool) -> dict[str, Payload]:
