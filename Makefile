@@ -21,7 +21,7 @@ FLOOR_VENV := .venv-sdk-floor
 OTHER_UVICORN := uvicorn==0.34.3
 OTHER_UVICORN_DIR := $(VENV)/other-uvicorn
 
-.PHONY: help run sdk lock test check system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-claims bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
+.PHONY: help run sdk lock test check system-deps venvs lint typecheck deploy-check pytest-suite sdk-floor-tests vllm-tests vllm-engine-tests bench bench-quick bench-serve bench-break-even bench-claims bench-vllm-stalls bench-hostile bench-put-cpu bench-sdk-urllib3 bench-gpu bench-gpu-cpu gpu-wheels clean
 
 # The server from the lock (hash-checked), then the project itself without resolving.
 $(VENV)/.server: pyproject.toml $(LOCK)
@@ -137,11 +137,17 @@ bench-quick: system-deps $(VENV)/.test
 	$(PY) -m bench --quick
 
 ## bench-serve: what the cache saves in serving, vLLM's own client against vLLM with and
-## without the connector (bench/serve.py), and the break-even table of the latest
-## `make bench` (bench/break_even.py); results in bench/results/serve.* and break-even.*
+## without the connector (bench/serve.py); results in bench/results/serve.*
 bench-serve: $(VENV)/.test
 	bash scripts/setup-vllm-engine-venv.sh
 	$(PY) -m bench.serve
+
+## bench-break-even: computing an encoder output or loading it, in one run on this
+## machine: three real models' vision encoders (random weights) timed on the CPU, and
+## the SDK's disk-hit and S3 loads of their entries (bench/break_even.py, ~5 min);
+## results in bench/results/break-even.*
+bench-break-even: $(VENV)/.test
+	bash scripts/setup-vllm-engine-venv.sh
 	$(PY) -m bench.break_even
 
 ## bench-claims: two engines meet the same new images at once, with and without

@@ -220,10 +220,25 @@ def _plan(quick: bool) -> tuple[list[Payload], dict[str, tuple[int, int]], list[
 
 def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
     """See the module docstring."""
+    return measure(svc, *_plan(plan.quick), log)
+
+
+def measure(
+    svc: Services,
+    payloads: list[Payload],
+    requests: dict[str, tuple[int, int]],
+    rates: list[str],
+    log: Any,
+    *,
+    gets_only: bool = False,
+) -> dict[str, Any]:
+    """The section's measurements for ``payloads`` ((requests, rounds) per payload name),
+    behind each S3 link rate in ``rates`` where tc allows; ``gets_only``: the SDK's and
+    boto3's GETs, without the PUTs and the TTFB rounds with the client alone
+    (``bench/break_even.py`` runs that on the entry sizes of its models)."""
     isolation = Isolation.plan()
     log(f"s3: {isolation.describe()}")
-    payloads, requests, rates = _plan(plan.quick)
-    why_not_shaped = s3_link.why_not()
+    why_not_shaped = s3_link.why_not() if rates else "no link rate asked for"
     if why_not_shaped:
         log(f"s3: S3 link NOT shaped ({why_not_shaped})")
         rates = []
@@ -248,7 +263,7 @@ def section(svc: Services, plan: Any, log: Any) -> dict[str, Any]:
                 count, rounds = requests[payload.name]
                 log(f"s3: {payload.name} ({count} requests x {rounds} rounds)")
                 out["payloads"][payload.name] = _payload(
-                    svc, root, endpoint, isolation, weed, payload, count, rounds, rates
+                    svc, root, endpoint, isolation, weed, payload, count, rounds, rates, gets_only
                 )
             out["loadavg_after"] = load_average()
             return out
@@ -284,6 +299,7 @@ def _payload(
     count: int,
     rounds: int,
     rates: list[str],
+    gets_only: bool,
 ) -> dict[str, Any]:
     assert weed.proc is not None
     s3_pid = weed.proc.pid
@@ -382,7 +398,7 @@ def _payload(
         # Time to first byte with the client on a core of its own: the cold server moves
         # to S3's core, so its reply does not wait for the client to win the core back
         # from the server's own fill (see the module docstring).
-        if iso.pinned:
+        if iso.pinned and not gets_only:
             assert cold.proc is not None
             pin_process(cold.proc.pid, iso.s3_cpus)
             try:
@@ -399,6 +415,8 @@ def _payload(
                 pin_process(cold.proc.pid, iso.other_cpus)
         after = http_json(cold.url + "/stats")["lookups"]
         entry["cold_server_lookups"] = {k: after[k] - lookups_before.get(k, 0) for k in after}
+        if gets_only:
+            return entry
 
         put_counter = itertools.count()
         written: list[str] = []

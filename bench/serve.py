@@ -76,6 +76,7 @@ from testkit.vllm_engine import (
     build_model,
     connector_config,
     engine_env,
+    engine_module_json,
     vllm_server,
 )
 
@@ -333,26 +334,13 @@ def cache_replicas(work: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
 def encoder_share(model: Path, load: Workload, work: Path) -> dict[str, Any]:
     """``bench/encoder_share.py`` in the engine venv: the vision tower's share of a
     request like the workload's (one image, ``input_len`` text tokens)."""
-    done = subprocess.run(
-        [
-            ENGINE_PYTHON,
-            "-m",
-            "bench.encoder_share",
-            model,
-            str(load.image_side),
-            str(load.input_len),
-        ],
-        cwd=ROOT,
-        env={**engine_env(work / "tmp-share"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        capture_output=True,
-        text=True,
+    return engine_module_json(
+        "bench.encoder_share",
+        [str(model), str(load.image_side), str(load.input_len)],
+        work / "tmp-share",
         timeout=900,
-        check=False,
+        env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.encoder_share failed:\n{done.stderr[-4000:]}")
-    share: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return share
 
 
 def engine_versions() -> dict[str, str | None]:

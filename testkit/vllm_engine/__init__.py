@@ -82,6 +82,26 @@ def build_model(path: Path, profile: str = "tiny", python: Path = ENGINE_PYTHON)
     return path
 
 
+def engine_module_json(
+    module: str, args: list[str], tmp: Path, timeout: float, env_extra: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``python -m module args`` in the engine venv (its temp files in ``tmp``): the JSON
+    object its last line of output prints."""
+    done = subprocess.run(
+        [ENGINE_PYTHON, "-m", module, *args],
+        cwd=ROOT,
+        env={**engine_env(tmp), **(env_extra or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def run_engine_process(
     python: Path, work: Path, spec: dict[str, Any], env_extra: dict[str, str] | None = None
 ) -> dict[str, Any]:

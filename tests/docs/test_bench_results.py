@@ -6,7 +6,7 @@ block, bench/results/serve*.md, claims-serve.md, the claims sentence of README.m
 engine-stall figures of docs/vllm.md), so a figure edited by hand, or a JSON replaced
 without rendering again (``python -m bench.serve --render``), fails here. Every JSON must
 say which commit, date and machine produced it. Nothing is run: this reads files. A new
-pair (e.g. break-even.json and its table) is one more entry in ``CASES``.
+pair is one more entry in ``CASES``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from bench import claims_serve, serve
+from bench import break_even, claims_serve, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -100,7 +100,15 @@ def _stalls_pairs() -> list[tuple[str, str, str]]:
     return [("docs/vllm.md", text if text in doc else "(not found)", text) for text in rendered]
 
 
+def _break_even_pairs() -> list[tuple[str, str, str]]:
+    """bench/results/break-even.md (tests/bench/test_break_even.py also recomputes its
+    figures, and README.md's break-even sentence, from the raw numbers)."""
+    rendered = break_even.markdown(_json("break-even.json"))
+    return [("bench/results/break-even.md", (RESULTS / "break-even.md").read_text(), rendered)]
+
+
 CASES = {
+    "break-even": Case(("break-even.json",), _break_even_pairs),
     "serve": Case(("serve.json", "serve-tiny.json"), _serve_pairs),
     "claims-serve": Case(("claims-serve.json",), _claims_pairs),
     "vllm-stalls": Case(("vllm-stalls.json", "vllm-stalls-add7e74.json"), _stalls_pairs),
