@@ -67,8 +67,8 @@ def test_one_round_trip_per_request_and_local_positives(
     assert sched.counters()["exists_requests"] == 1
     sched.build_connector_meta(SchedulerOutput.make_empty())  # end of step
 
-    # Next step: positives come from the local LRU, the miss is asked again.
-    time.sleep(0)  # (miss_ttl_s default 1 s: the miss is still cached too)
+    # Next step: positives come from the local LRU; the miss is still cached too
+    # (miss_ttl_s, 1 s by default), so nothing is asked again.
     assert sched.ensure_cache_available(req, 0) is True
     assert [sched.has_cache_item(i) for i in (a, b, c_)] == [True, True, False]
     totals = sched.counters()
@@ -132,6 +132,7 @@ def test_breaker_probes_and_recovers(
     srv = start_server(tmp_path, port=port)
     try:
         put_raw(srv, model, h, embeds())
+        # The behaviour under test: the breaker's 0.5 s cooldown running out.
         time.sleep(max(0.0, opened + 0.6 - time.monotonic()))
         sched.build_connector_meta(SchedulerOutput.make_empty())
         req = make_request([h])
