@@ -85,8 +85,10 @@ class Settings(BaseSettings):
     s3_get_chunk_size: ByteSize = Field(default=4 * 1024**2, ge=64 * 1024)
     #: A read-through GET of an object larger than one part is read as concurrent
     #: ranged GETs of this size, this many at once (1: one GET per object); at most
-    #: their product is held in memory per read (app/tiers/s3/ranged_get.py).
-    s3_get_part_size: ByteSize = Field(default=8 * 1024**2, ge=256 * 1024)
+    #: their product is held in memory per read (app/tiers/s3/ranged_get.py). Parts are
+    #: relayed in order, so a smaller part lets the client drain one while later ones
+    #: arrive: 4 MiB beat 8 MiB and 2 MiB on bench/s3_readthrough.py's link.
+    s3_get_part_size: ByteSize = Field(default=4 * 1024**2, ge=256 * 1024)
     s3_get_concurrency: int = Field(default=8, ge=1, le=64)
     #: Bytes of ranged parts received ahead of their turn, all read-throughs together;
     #: when spent, a read-through reads one part at a time.

