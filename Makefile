@@ -144,7 +144,7 @@ bench-serve: $(VENV)/.test
 
 ## bench-break-even: computing an encoder output or loading it, in one run on this
 ## machine: three real models' vision encoders (random weights) timed on the CPU, and
-## the SDK's disk-hit and S3 loads of their entries (bench/break_even.py, ~5 min);
+## the SDK's disk-hit and S3 loads of their entries (bench/break_even.py, ~2 min);
 ## results in bench/results/break-even.*
 bench-break-even: $(VENV)/.test
 	bash scripts/setup-vllm-engine-venv.sh
