@@ -127,5 +127,5 @@ def _machine_text(where: dict[str, Any] | None) -> str:
     )
     return (
         f"{where['node']}, {where['cpus']} CPUs ({where.get('cpu') or 'model unknown'}), "
-        f"{where['memory_gib']} GiB" + (f"; {versions}" if versions else "")
+        f"{where.get('memory_gib', '?')} GiB" + (f"; {versions}" if versions else "")
     )

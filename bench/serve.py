@@ -60,7 +60,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -71,6 +70,7 @@ import httpx
 
 from bench import provenance
 from bench.lifecycle import unwind_on_sigterm
+from bench.readme_blocks import Block, wrapped
 from testkit.fault_proxy import FaultProxy
 from testkit.s3 import seaweedfs_endpoint
 from testkit.server import ServerProcess
@@ -651,8 +651,10 @@ README_ROWS = (
     ("slow, async", "another node, every GET held {hold} ms, loads asynchronous (default)"),
     ("slow, sync", "the same, loads synchronous"),
 )
-README_BEGIN = "<!-- begin: bench/serve.py renders this from bench/results/serve*.json -->"
-README_END = "<!-- end: python -m bench.serve --render rewrites the part above -->"
+README_BLOCK = Block(
+    "<!-- begin: bench/serve.py renders this from bench/results/serve*.json -->",
+    "<!-- end: python -m bench.serve --render rewrites the part above -->",
+)
 
 
 def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
@@ -662,7 +664,7 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
     rows = {row["row"]: row for row in serve["rows"]}
     cpus = (serve["meta"].get("machine") or {}).get("cpus")
     lines = [
-        README_BEGIN,
+        README_BLOCK.begin,
         wrapped(
             "vLLM's own benchmark client (`vllm bench serve --dataset-name random-mm`) against "
             f"vLLM's OpenAI server on a {f'{cpus}-core ' if cpus else ''}CPU machine, with a "
@@ -709,20 +711,9 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
             f"({tiny_none['ttft_p50_ms']:.0f} -> {tiny_other['ttft_p50_ms']:.0f} ms) "
             "([serve-tiny.md](bench/results/serve-tiny.md))."
         ),
-        README_END,
+        README_BLOCK.end,
     ]
     return "\n".join(lines) + "\n"
-
-
-def wrapped(paragraph: str) -> str:
-    """A prose paragraph wrapped as README.md's source is (tables stay one line each)."""
-    return textwrap.fill(paragraph, 88, break_long_words=False, break_on_hyphens=False)
-
-
-def readme_with(text: str, block: str) -> str:
-    """``text`` (README.md) with its rendered block replaced by ``block``."""
-    begin, end = text.index(README_BEGIN), text.index(README_END)
-    return text[:begin] + block + text[end + len(README_END) + 1 :]
 
 
 def reproduction(first: dict[str, Any], second: dict[str, Any]) -> str:
@@ -804,7 +795,7 @@ def render(out: Path, readme: Path | None) -> None:
     serve, tiny = out / "serve.json", out / "serve-tiny.json"
     if readme is not None and serve.exists() and tiny.exists():
         block = readme_block(json.loads(serve.read_text()), json.loads(tiny.read_text()))
-        readme.write_text(readme_with(readme.read_text(), block))
+        readme.write_text(README_BLOCK.replaced(readme.read_text(), block))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,9 +71,11 @@ def test_summarize_is_idempotent() -> None:
 
 
 def test_readme_block_is_replaced_in_place() -> None:
-    text = f"intro\n{serve.README_BEGIN}\nold table\n{serve.README_END}\nafter\n"
-    block = f"{serve.README_BEGIN}\nnew table\n{serve.README_END}\n"
-    assert serve.readme_with(text, block) == f"intro\n{block}after\n"
+    marks = serve.README_BLOCK
+    text = f"intro\n{marks.begin}\nold table\n{marks.end}\nafter\n"
+    block = f"{marks.begin}\nnew table\n{marks.end}\n"
+    assert marks.replaced(text, block) == f"intro\n{block}after\n"
+    assert marks.cited(marks.replaced(text, block)) == block
 
 
 def test_a_second_run_is_checked_against_the_first_runs_spread() -> None:
