@@ -190,9 +190,8 @@ class Row:
         self.passes.append({"seed": seed, "duration_s": result["duration"], **pass_figures(result)})
         self.completed += result["completed"]
         self.failed += result["failed"]
-        for total, counts in ((self.connector, connector), (self.cache, cache)):
-            for name, value in counts.items():
-                total[name] = total.get(name, 0.0) + value
+        self.connector = _summed([self.connector, connector])
+        self.cache = _summed([self.cache, cache])
 
     def raw(self) -> dict[str, Any]:
         return {
@@ -201,8 +200,8 @@ class Row:
             "completed": self.completed,
             "failed": self.failed,
             "passes": self.passes,
-            "connector": dict(sorted(self.connector.items())),
-            "server": dict(sorted(self.cache.items())),
+            "connector": self.connector,
+            "server": self.cache,
         }
 
 
