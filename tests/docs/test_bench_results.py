@@ -2,11 +2,13 @@
 
 Each case is one set of results JSONs and the documents that quote them: the documents
 must equal what the bench's own renderer makes of the JSON (README.md's "What it saves"
-block, bench/results/serve*.md, claims-serve.md, the claims sentence of README.md, the
-engine-stall figures of docs/vllm.md), so a figure edited by hand, or a JSON replaced
-without rendering again (``python -m bench.serve --render``), fails here. Every JSON must
-say which commit, date and machine produced it. Nothing is run: this reads files. A new
-pair is one more entry in ``CASES``.
+and "Performance" blocks, bench/results/serve*.md, latest.md, s3-readthrough.md,
+break-even.md, claims-serve.md, the claims sentence of README.md, the engine-stall
+figures of docs/vllm.md), so a figure edited by hand, or a JSON replaced without
+rendering again (``python -m bench.serve --render``, ``python -m bench --render``),
+fails here. Every JSON must say which commit, date and machine produced it (each run's,
+for pooled results). Nothing is run: this reads files. A new pair is one more entry in
+``CASES``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from bench import break_even, claims_serve, s3_readthrough, serve
+from bench import break_even, claims_serve, report, s3_paths, s3_readthrough, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -29,12 +31,6 @@ README = ROOT / "README.md"
 
 def _json(name: str) -> Any:
     return json.loads((RESULTS / name).read_text())
-
-
-def _readme_block() -> str:
-    text = README.read_text()
-    begin, end = text.index(serve.README_BEGIN), text.index(serve.README_END)
-    return text[begin : end + len(serve.README_END) + 1]
 
 
 @dataclass(frozen=True)
@@ -55,7 +51,11 @@ def _serve_pairs() -> list[tuple[str, str, str]]:
             (RESULTS / "serve-tiny.md").read_text(),
             serve.markdown(tiny),
         ),
-        ("README.md, What it saves", _readme_block(), serve.readme_block(full, tiny)),
+        (
+            "README.md, What it saves",
+            serve.README_BLOCK.cited(README.read_text()),
+            serve.readme_block(full, tiny),
+        ),
     ]
 
 
@@ -114,8 +114,26 @@ def _s3_readthrough_pairs() -> list[tuple[str, str, str]]:
     return [("bench/results/s3-readthrough.md", cited, rendered)]
 
 
+def _latest_pairs() -> list[tuple[str, str, str]]:
+    """bench/results/latest.md and README.md's Performance block (``python -m bench``)."""
+    results = _json("latest.json")
+    return [
+        (
+            "bench/results/latest.md",
+            (RESULTS / "latest.md").read_text(),
+            report.markdown(results) + s3_paths.markdown(results),
+        ),
+        (
+            "README.md, Performance",
+            report.README_BLOCK.cited(README.read_text()),
+            report.readme_block(results),
+        ),
+    ]
+
+
 CASES = {
     "break-even": Case(("break-even.json",), _break_even_pairs),
+    "latest": Case(("latest.json",), _latest_pairs),
     "s3-readthrough": Case(("s3-readthrough.json",), _s3_readthrough_pairs),
     "serve": Case(("serve.json", "serve-tiny.json"), _serve_pairs),
     "claims-serve": Case(("claims-serve.json",), _claims_pairs),
@@ -131,8 +149,12 @@ def test_docs_cite_their_json(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_results_say_what_produced_them(name: str) -> None:
-    for json_name in CASES[name].jsons:
-        meta = _json(json_name)["meta"]
+    runs = [
+        (json_name, meta)
+        for json_name in CASES[name].jsons
+        for meta in _json(json_name)["meta"].get("runs") or [_json(json_name)["meta"]]
+    ]
+    for json_name, meta in runs:
         assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]), json_name
         assert meta.get("started") or meta.get("date"), json_name
         machine = meta["machine"] or {}
