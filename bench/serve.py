@@ -32,9 +32,10 @@ servers starting (~35 s each).
 
 A row reports, per figure (TTFT p50/p99, inter-token latency p99 and max, requests/s,
 output tokens/s), the median of its passes and their min-max, and each pass; and against
-its baseline (``none, again`` for ``warm``, ``none`` for the rest) the median and range
-of the ratios of its pass ``i`` to the baseline's pass ``i`` (the same images, in the
-same pass: minutes apart at most), "within noise" where that range includes zero. Also
+its baseline (``none, again`` for ``warm``, ``none`` for the rest) the median of the
+ratios of its pass ``i`` to the baseline's pass ``i`` (the same images, in the same
+pass: minutes apart at most) with a confidence interval for that median
+(:func:`median_interval`), "within noise" where that includes zero. Also
 the connector's counters (``vllm:ec_cache_*`` on vLLM's /metrics) and the cache server's
 (lookups by tier, bytes) over the measured passes, the encoder's share of a request
 (``bench/encoder_share.py``, in the same run) and the run's commit, date and machine
@@ -55,6 +56,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -205,15 +207,49 @@ class Row:
         }
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+#: The least confidence of a change's interval (:func:`median_interval`).
+CONFIDENCE = 0.9
+
+
+def median_interval(values: list[float]) -> dict[str, Any]:
+    """A distribution-free confidence interval for the median of ``values``: their
+    ``k``-th lowest and ``k``-th highest, ``k`` the largest whose confidence (the
+    chance that the median lies between them, by the binomial distribution of how many
+    values fall below it) is at least :data:`CONFIDENCE`, or 1. For 5 values that is
+    their min-max (94%); for 10, the 2nd lowest to the 2nd highest (98%). More passes
+    narrow it, where a min-max only widens with every outlier."""
+    ordered, n = sorted(values), len(values)
+
+    def confidence(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / float(2**n)
+
+    k = 1
+    while k < n // 2 and confidence(k + 1) >= CONFIDENCE:
+        k += 1
+    return {"interval": [ordered[k - 1], ordered[n - k]], "rank": k, "confidence": confidence(k)}
+
+
+def interval_words(results: dict[str, Any]) -> str:
+    """What a change's interval is, in words, from the first change's."""
+    first = next(row["versus"][VERSUS[0]] for row in results["rows"] if row.get("versus"))
+    k, n = first["rank"], len(first["passes"])
+    ends = "lowest to highest" if k == 1 else f"{_ordinal(k)} lowest to {_ordinal(k)} highest"
+    return (
+        f"a {first['confidence']:.0%} confidence interval for that median (distribution-free: "
+        f"the {ends} of the {n} ratios)"
+    )
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(k, 'th') }"
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row with its figures' medians, their min-max (``spread``) and, against its
     baseline, the per-pass ratios minus one (``versus``: pass ``i`` against the
-    baseline's pass ``i``, the same requests): their median, min, max and whether that
-    range includes zero (``within_noise``). Only each row's ``passes`` are read."""
+    baseline's pass ``i``, the same requests): their median, its confidence interval
+    (:func:`median_interval`) and whether that includes zero (``within_noise``). Only
+    each row's ``passes`` are read."""
     by_name = {row["row"]: row for row in rows}
     out = []
     for row in rows:
@@ -232,10 +268,13 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     mine[name] / theirs[name] - 1
                     for mine, theirs in zip(passes, base["passes"], strict=True)
                 ]
+                interval = median_interval(ratios)
+                low, high = interval["interval"]
                 versus[name] = {
-                    **spread(ratios),
+                    "median": statistics.median(ratios),
+                    **interval,
                     "passes": ratios,
-                    "within_noise": min(ratios) <= 0 <= max(ratios),
+                    "within_noise": low <= 0 <= high,
                 }
             summary["versus"] = versus
         out.append(summary)
@@ -504,9 +543,10 @@ def run(
 
 
 def change(versus: dict[str, Any]) -> str:
-    """A ratio to the baseline minus one, with its passes' range: ``+39% (+33..+45%)``,
-    or ``within noise (-3..+5%)`` when the range includes zero."""
-    interval = f"({versus['min']:+.0%}..{versus['max']:+.0%})"
+    """A ratio to the baseline minus one, with its interval: ``+39% (+33..+45%)``, or
+    ``within noise (-3..+5%)`` when the interval includes zero."""
+    low, high = versus["interval"]
+    interval = f"({low:+.0%}..{high:+.0%})"
     if versus["within_noise"]:
         return f"within noise {interval}"
     return f"{versus['median']:+.0%} {interval}"
@@ -609,7 +649,8 @@ def markdown(results: dict[str, Any]) -> str:
         *([share_line(share), ""] if share else []),
         "Each cell: the median over the passes (min-max). A `vs` cell: the median of the "
         "ratios of the row's pass i to its baseline's pass i (the same requests), minus "
-        "one, and their range; *within noise* where that range includes zero.",
+        f"one, and {interval_words(results)}; *within noise* where that interval includes "
+        "zero.",
         "",
         "| row | TTFT p50 ms | TTFT p50 vs | TTFT p99 ms | ITL p99 ms | ITL max ms | req/s "
         "| req/s vs | out tok/s | hits | misses | MB from the cache | cache lookups |",
@@ -696,8 +737,8 @@ def readme_block(serve: dict[str, Any], tiny: dict[str, Any]) -> str:
         wrapped(
             f"Each figure is the median of {passes_text(serve)}, their min-max in brackets, "
             "every pass with images new to every server; a change is the median of the "
-            "passes' ratios to vLLM alone on the same images, with their range, *within "
-            f"noise* where that range includes zero. vLLM alone's own passes span "
+            f"passes' ratios to vLLM alone on the same images, with {interval_words(serve)}, "
+            "*within noise* where that includes zero. vLLM alone's own passes span "
             f"{low / none['requests_per_s'] - 1:+.0%}..{high / none['requests_per_s'] - 1:+.0%} "
             "of its median. The S3 here is SeaweedFS on loopback, on the same cores: no "
             "network round trip. The bench model was sized for its encoder to be most of a "

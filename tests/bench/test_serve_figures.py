@@ -50,18 +50,38 @@ def test_changes_are_paired_per_pass_with_their_range() -> None:
     assert none["requests_per_s"] == 5.0 and none["spread"]["requests_per_s"] == [4.0, 6.0]
     rate = other["versus"]["requests_per_s"]
     assert rate["passes"] == pytest.approx([0.5, 0.5, 0.5])
-    assert (rate["median"], rate["min"], rate["max"]) == pytest.approx((0.5, 0.5, 0.5))
+    assert (rate["median"], *rate["interval"]) == pytest.approx((0.5, 0.5, 0.5))
     assert rate["within_noise"] is False
     assert other["versus"]["ttft_p50_ms"]["median"] == pytest.approx(-0.5)
     # none, again against none: +10%, -10%, +10%: a range across zero.
     noisy = again["versus"]["requests_per_s"]
     assert noisy["within_noise"] is True
-    assert (noisy["min"], noisy["median"], noisy["max"]) == pytest.approx((-0.1, 0.1, 0.1))
+    assert (noisy["median"], *noisy["interval"]) == pytest.approx((0.1, -0.1, 0.1))
     assert serve.change(noisy) == "within noise (-10%..+10%)"
     assert serve.change(rate) == "+50% (+50%..+50%)"
     # warm compares with none, again (vLLM's own caches help both), pass by pass.
     assert warm["versus"]["baseline"] == "none, again"
     assert warm["versus"]["requests_per_s"]["passes"] == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_a_change_has_a_confidence_interval_for_its_median() -> None:
+    # 3 passes: the lowest and highest ratio, 75% confident; 5 passes: 94%.
+    assert serve.median_interval([0.3, -0.1, 0.2]) == {
+        "interval": [-0.1, 0.3], "rank": 1, "confidence": 0.75
+    }  # fmt: skip
+    assert serve.median_interval([5, 1, 4, 2, 3])["confidence"] == pytest.approx(0.9375)
+    # 10 passes: one outlier each way does not decide it (2nd lowest to 2nd highest, 98%).
+    ratios = [-0.4, 0.1, 0.12, 0.15, 0.2, 0.22, 0.25, 0.3, 0.33, 0.9]
+    ten = serve.median_interval(ratios)
+    assert ten["interval"] == [0.1, 0.33] and ten["rank"] == 2
+    assert ten["confidence"] == pytest.approx(1 - 2 * 11 / 1024)
+    rows = serve.summarize(
+        [_row("none", [1.0] * 10, [100] * 10), _row("cold", [1 + r for r in ratios], [100] * 10)]
+    )
+    rate = rows[1]["versus"]["requests_per_s"]
+    assert rate["within_noise"] is False and serve.change(rate) == "+21% (+10%..+33%)"
+    assert "a 98% confidence interval for that median" in serve.interval_words({"rows": rows})
+    assert "the 2nd lowest to 2nd highest of the 10 ratios" in serve.interval_words({"rows": rows})
 
 
 def test_summarize_is_idempotent() -> None:
