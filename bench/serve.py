@@ -207,6 +207,10 @@ class Row:
         }
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 #: The least confidence of a change's interval (:func:`median_interval`).
 CONFIDENCE = 0.9
 
