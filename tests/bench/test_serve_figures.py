@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import serve
+from bench import provenance, serve
 
 
 def _passes(requests_per_s: list[float], ttft_ms: list[float]) -> list[dict[str, Any]]:
@@ -153,7 +153,7 @@ def test_pooled_runs_cover_the_drift_between_them() -> None:
     assert other["completed"] == 20 and other["connector"] == {"vllm:ec_cache_hits_total": 60}
     assert pooled["encoder_share"]["encoder_ms"] == pytest.approx(42.0)
     assert serve.passes_text(pooled).startswith("6 passes (2 runs at")
-    assert "2 runs, pooled: commit 1111111111" in serve.provenance.run_line(pooled["meta"])
+    assert "2 runs, pooled: commit 1111111111" in provenance.run_line(pooled["meta"])
     # Each run alone: the other run's median falls outside its spread; pooled, inside.
     third = _run("3", [_row("none", [4.6, 4.8, 5.0], [110, 110, 110])])
     assert serve.reproduction(fast, third).splitlines()[-1].endswith("| no |")
