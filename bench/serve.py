@@ -26,7 +26,7 @@ requests with a seed no measured pass uses (not reported; ``cold``'s server firs
 the others' warm-up loads as their rows do). Then the rows are interleaved: pass ``i``
 runs every row once, in the order above, with seed ``seed + i`` (its random images and
 prompt tokens), so each pass meets images new to every server and to the cache, which
-the rows after ``cold`` find there. Five passes of 48 requests: about 20 minutes on the
+the rows after ``cold`` find there. Five passes of 48 requests: about 17 minutes on the
 2-core build machine, most of it vLLM's client starting for each pass (~8 s) and six
 servers starting (~35 s each).
 
