@@ -233,14 +233,28 @@ def median_interval(values: list[float]) -> dict[str, Any]:
     return {"interval": [ordered[k - 1], ordered[n - k]], "rank": k, "confidence": confidence(k)}
 
 
-def interval_words(results: dict[str, Any]) -> str:
-    """What a change's interval is, in words, from the first change's."""
-    first = next(row["versus"][VERSUS[0]] for row in results["rows"] if row.get("versus"))
+def interval_words(results: dict[str, Any]) -> str | None:
+    """What a change's interval is, in words, from the first change's; None when no
+    row's baseline ran (``--smoke``)."""
+    first = next((row["versus"][VERSUS[0]] for row in results["rows"] if row.get("versus")), None)
+    if first is None:
+        return None
     k, n = first["rank"], len(first["passes"])
     ends = "lowest to highest" if k == 1 else f"{_ordinal(k)} lowest to {_ordinal(k)} highest"
     return (
         f"a {first['confidence']:.0%} confidence interval for that median (distribution-free: "
         f"the {ends} of the {n} ratios)"
+    )
+
+
+def versus_words(results: dict[str, Any]) -> str:
+    words = interval_words(results)
+    if words is None:
+        return "No row's baseline ran: no `vs` cells."
+    return (
+        "A `vs` cell: the median of the ratios of the row's pass i to its baseline's pass "
+        f"i (the same requests), minus one, and {words}; *within noise* where that "
+        "interval includes zero."
     )
 
 
@@ -651,10 +665,7 @@ def markdown(results: dict[str, Any]) -> str:
         provenance.run_line(results["meta"]),
         "",
         *([share_line(share), ""] if share else []),
-        "Each cell: the median over the passes (min-max). A `vs` cell: the median of the "
-        "ratios of the row's pass i to its baseline's pass i (the same requests), minus "
-        f"one, and {interval_words(results)}; *within noise* where that interval includes "
-        "zero.",
+        "Each cell: the median over the passes (min-max). " + versus_words(results),
         "",
         "| row | TTFT p50 ms | TTFT p50 vs | TTFT p99 ms | ITL p99 ms | ITL max ms | req/s "
         "| req/s vs | out tok/s | hits | misses | MB from the cache | cache lookups |",

@@ -4,6 +4,7 @@ when that range includes zero, and README.md's block replaced in place."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -80,8 +81,9 @@ def test_a_change_has_a_confidence_interval_for_its_median() -> None:
     )
     rate = rows[1]["versus"]["requests_per_s"]
     assert rate["within_noise"] is False and serve.change(rate) == "+21% (+10%..+33%)"
-    assert "a 98% confidence interval for that median" in serve.interval_words({"rows": rows})
-    assert "the 2nd lowest to 2nd highest of the 10 ratios" in serve.interval_words({"rows": rows})
+    words = serve.interval_words({"rows": rows}) or ""
+    assert "a 98% confidence interval for that median" in words
+    assert "the 2nd lowest to 2nd highest of the 10 ratios" in words
 
 
 def test_summarize_is_idempotent() -> None:
@@ -170,3 +172,12 @@ def test_only_runs_of_one_workload_pool() -> None:
         serve.pooled([one, renamed])
     with pytest.raises(ValueError, match="not pooled results"):
         serve.pooled([serve.pooled([one, one]), one])
+
+
+def test_a_run_without_baselines_renders() -> None:
+    """``--smoke`` runs cold, warm and S3 replica only: no row has its baseline."""
+    results = _run("1", [_row("cold", [5.0, 5.2], [100, 100]), _row("warm", [7.0, 7.1], [50, 60])])
+    results["workload"] = dataclasses.asdict(serve.SMOKE)
+    text = serve.markdown(results)
+    assert "No row's baseline ran: no `vs` cells." in text
+    assert "| warm | 55 (50-60) | - |" in text
