@@ -110,7 +110,7 @@ def write(out_dir: Path, results: dict[str, Any]) -> list[str]:
     """latest.md and the plots from ``results``, and README.md's Performance block when
     they are a full run with the sections it shows, in ``bench/results``. Returns what
     it wrote."""
-    (out_dir / "latest.md").write_text(report.markdown(results) + s3_paths.markdown(results))
+    (out_dir / "latest.md").write_text(report.latest_markdown(results))
     wrote = [str(out_dir / "latest.md"), *map(str, report.plots(results, out_dir))]
     shown = {"transfers", "s3"} <= set(results["meta"]["sections"])
     if out_dir.resolve() == RESULTS.resolve() and not results["meta"]["quick"] and shown:

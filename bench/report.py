@@ -342,6 +342,11 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     return written
 
 
+def latest_markdown(results: dict[str, Any]) -> str:
+    """latest.md: every section's tables, the S3 section's last."""
+    return markdown(results) + s3_paths.markdown(results)
+
+
 #: README.md's "Performance" table and sentence, rendered from latest.json.
 README_BLOCK = Block(
     "<!-- begin: python -m bench renders this from bench/results/latest.json -->",

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from bench import break_even, claims_serve, report, s3_paths, s3_readthrough, serve
+from bench import break_even, claims_serve, report, s3_readthrough, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -121,7 +121,7 @@ def _latest_pairs() -> list[tuple[str, str, str]]:
         (
             "bench/results/latest.md",
             (RESULTS / "latest.md").read_text(),
-            report.markdown(results) + s3_paths.markdown(results),
+            report.latest_markdown(results),
         ),
         (
             "README.md, Performance",
@@ -149,10 +149,9 @@ def test_docs_cite_their_json(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_results_say_what_produced_them(name: str) -> None:
+    metas = {json_name: _json(json_name)["meta"] for json_name in CASES[name].jsons}
     runs = [
-        (json_name, meta)
-        for json_name in CASES[name].jsons
-        for meta in _json(json_name)["meta"].get("runs") or [_json(json_name)["meta"]]
+        (json_name, run) for json_name, meta in metas.items() for run in meta.get("runs") or [meta]
     ]
     for json_name, meta in runs:
         assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]), json_name
